@@ -1,0 +1,295 @@
+"""The gradient-accumulation mechanism shared by every accumulating optimizer.
+
+Over a window of `accum_iters` consecutive `apply` calls with gradients
+g_1..g_k, the optimizer adds each g_i into a per-variable accumulator and
+updates the weights once, on the k-th call, with the mean gradient
+(g_1 + ... + g_k) / k, through the parent Keras optimizer's own `apply`:
+unscaling, clipping, weight decay, the update math, EMA, constraints and the
+`iterations` increment all happen exactly once per window, so `iterations`
+counts applied updates and learning-rate schedules, Adam's bias correction and
+EMA see the same step numbers as a run with a k times larger batch.
+
+Each call reads
+
+    counter -> update_switch -> blend and apply:
+
+    accumulators += grads                       (every micro-step)
+    micro_steps += 1
+    update_switch = micro_steps >= accum_iters
+    if update_switch:                           (once per window)
+        parent.apply(accumulators / micro_steps)
+        accumulators, micro_steps = 0, 0
+
+The `if` is a real branch on every backend (`tf.cond`, `jax.lax.cond`, a
+Python `if` on torch), so the accumulating micro-steps never run the update
+math. With `accum_iters=1` the optimizer is the parent optimizer: no extra
+variables and the parent's own code path.
+"""
+
+import inspect
+import warnings
+
+import numpy as np
+import keras
+from keras import backend
+from keras import config as keras_config
+from keras import ops
+
+from accum_optimizers import _backend
+
+_LOW_PRECISION_DTYPES = ("float16", "bfloat16")
+
+
+def validate_accum_iters(accum_iters):
+    """Returns `accum_iters` as an `int` >= 1, or raises naming the value."""
+    if isinstance(accum_iters, (bool, np.bool_)) or not isinstance(
+        accum_iters, (int, np.integer)
+    ):
+        raise TypeError(
+            "`accum_iters` must be an integer >= 1. Received: "
+            f"accum_iters={accum_iters!r} "
+            f"(of type {type(accum_iters).__name__})"
+        )
+    if accum_iters < 1:
+        raise ValueError(
+            "`accum_iters` must be an integer >= 1. Received: "
+            f"accum_iters={accum_iters!r}"
+        )
+    return int(accum_iters)
+
+
+def default_epsilon(epsilon):
+    """Keras 2 spelled "Keras' default epsilon" as `epsilon=None`."""
+    return keras_config.epsilon() if epsilon is None else epsilon
+
+
+class GradientAccumulation:
+    """Mixin that makes a Keras optimizer accumulate gradients.
+
+    Put it before the Keras optimizer in the bases:
+    `class AdamAccumulate(GradientAccumulation, Adam)`. See the module
+    docstring for the mechanism.
+
+    Args:
+        accum_iters: Integer >= 1. Number of micro-batches (`apply` calls)
+            whose gradients are averaged into one update. Defaults to `1`,
+            which is the parent optimizer unchanged.
+        accumulator_dtype: Optional dtype of the gradient accumulators.
+            Defaults to `None`: `"float32"` for `float16`/`bfloat16`
+            variables, the variable's own dtype otherwise.
+        lr: Deprecated Keras 2 alias of `learning_rate`.
+        decay: Deprecated Keras 2 time decay: the learning rate is divided
+            by `1 + decay * iterations`, where `iterations` counts applied
+            updates. Defaults to `None` (no decay).
+        **kwargs: the parent optimizer's arguments.
+    """
+
+    def __init__(
+        self,
+        accum_iters=1,
+        accumulator_dtype=None,
+        lr=None,
+        decay=None,
+        **kwargs,
+    ):
+        accum_iters = validate_accum_iters(accum_iters)
+        steps = kwargs.get("gradient_accumulation_steps")
+        if accum_iters > 1 and steps:
+            raise ValueError(
+                "Pass either `accum_iters` or Keras' own "
+                "`gradient_accumulation_steps`, not both: together they would "
+                "accumulate twice. Received: "
+                f"accum_iters={accum_iters}, "
+                f"gradient_accumulation_steps={steps!r}"
+            )
+        if accumulator_dtype is not None:
+            accumulator_dtype = backend.standardize_dtype(accumulator_dtype)
+            if "float" not in accumulator_dtype:
+                raise ValueError(
+                    "`accumulator_dtype` must be a floating dtype. Received: "
+                    f"accumulator_dtype={accumulator_dtype!r}"
+                )
+        if lr is not None:
+            kwargs["learning_rate"] = self._learning_rate_from_lr(
+                lr, kwargs.get("learning_rate")
+            )
+        if decay is not None:
+            warnings.warn(
+                "`decay` is the Keras 2 time decay; in Keras 3 pass "
+                "`learning_rate=keras.optimizers.schedules.InverseTimeDecay("
+                "learning_rate, decay_steps=1, decay_rate=decay)` instead.",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            if isinstance(decay, bool) or not isinstance(
+                decay, (int, float, np.floating, np.integer)
+            ) or not decay >= 0:
+                raise ValueError(
+                    "`decay` must be a number >= 0. Received: "
+                    f"decay={decay!r}"
+                )
+            decay = float(decay)
+        super().__init__(**kwargs)
+        self.accum_iters = accum_iters
+        self.accumulator_dtype = accumulator_dtype
+        self.decay = decay or None
+
+    def _learning_rate_from_lr(self, lr, learning_rate):
+        warnings.warn(
+            "`lr` is the Keras 2 spelling of `learning_rate`; pass "
+            "`learning_rate` instead.",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+        default = (
+            inspect.signature(type(self).__init__)
+            .parameters["learning_rate"]
+            .default
+        )
+        if learning_rate is not None and learning_rate != default:
+            raise ValueError(
+                "Pass either `learning_rate` or its Keras 2 alias `lr`, not "
+                f"both. Received: learning_rate={learning_rate!r}, lr={lr!r}"
+            )
+        return lr
+
+    # -- State -------------------------------------------------------------
+
+    def build(self, variables):
+        if self.built:
+            return
+        super().build(variables)
+        if self.accum_iters == 1:
+            return
+        # `build` runs under `no_automatic_dependency_tracking` in the base
+        # class only; the variables below are tracked by `add_variable`.
+        self._micro_steps = self.add_variable(
+            shape=(), dtype="int", name="accum_micro_steps"
+        )
+        self._accumulators = [
+            self._add_accumulator(variable) for variable in variables
+        ]
+
+    def _add_accumulator(self, variable):
+        dtype = self.accumulator_dtype
+        if dtype is None:
+            dtype = backend.standardize_dtype(variable.dtype)
+            if dtype in _LOW_PRECISION_DTYPES:
+                dtype = "float32"
+        if dtype == backend.standardize_dtype(variable.dtype):
+            return self.add_variable_from_reference(variable, "accumulator")
+        return self.add_variable(
+            shape=variable.shape,
+            dtype=dtype,
+            name=f"{variable.path.replace('/', '_')}_accumulator",
+            layout=getattr(variable, "_layout", None),
+        )
+
+    # -- The mechanism -----------------------------------------------------
+
+    def apply(self, grads, trainable_variables=None):
+        if self.accum_iters == 1:
+            return super().apply(grads, trainable_variables)
+        if len(grads) == 0:
+            return
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError(
+                    "When passing `grads` without `variables`, the optimizer "
+                    "must already be built. Call "
+                    "`optimizer.build(trainable_variables)` first."
+                )
+            trainable_variables = self._trainable_variables
+        else:
+            trainable_variables = list(trainable_variables)
+            if not self.built:
+                with keras.name_scope(self.name, caller=self):
+                    self.build(trainable_variables)
+        if len(grads) != len(trainable_variables):
+            raise ValueError(
+                f"Received {len(grads)} gradients for "
+                f"{len(trainable_variables)} variables."
+            )
+        pairs = [(g, v) for g, v in zip(grads, trainable_variables)]
+        self._check_variables_are_known(trainable_variables)
+        present = [(g, v) for g, v in pairs if g is not None]
+        with keras.name_scope(self.name, caller=self):
+            _backend.add_into(
+                self,
+                [self._accumulator_for(v) for _, v in present],
+                [g for g, _ in present],
+            )
+            micro_steps = self._micro_steps + 1
+            self._micro_steps.assign(micro_steps)
+            update_switch = ops.greater_equal(micro_steps, self.accum_iters)
+            _backend.run_if(
+                self,
+                update_switch,
+                lambda: self._apply_window(
+                    [g is not None for g, _ in pairs], trainable_variables
+                ),
+            )
+
+    def _apply_window(self, has_gradient, trainable_variables):
+        """Applies the mean of the accumulated gradients, then resets them.
+
+        Variables whose gradient is `None` in the call that closes the window
+        get `None`, and the parent optimizer skips them, as it would.
+        """
+        micro_steps = self._micro_steps.value
+        grads = []
+        for present, variable in zip(has_gradient, trainable_variables):
+            if not present:
+                grads.append(None)
+                continue
+            accumulator = self._accumulator_for(variable)
+            mean = ops.divide(
+                accumulator.value, ops.cast(micro_steps, accumulator.dtype)
+            )
+            grads.append(ops.cast(mean, variable.dtype))
+        super().apply(grads, trainable_variables)
+        for accumulator in self._accumulators:
+            accumulator.assign(ops.zeros_like(accumulator.value))
+        self._micro_steps.assign(ops.zeros_like(micro_steps))
+
+    def _accumulator_for(self, variable):
+        return self._accumulators[self._get_variable_index(variable)]
+
+    # -- Keras 2 time decay ------------------------------------------------
+
+    def _get_current_learning_rate(self):
+        learning_rate = super()._get_current_learning_rate()
+        if not self.decay:
+            return learning_rate
+        updates = ops.cast(self._iterations, "float32")
+        return ops.divide(
+            ops.cast(learning_rate, "float32"),
+            ops.add(1.0, ops.multiply(self.decay, updates)),
+        )
+
+    # -- Serialization -----------------------------------------------------
+
+    def load_own_variables(self, store):
+        if self.built and len(store.keys()) != len(self.variables):
+            raise ValueError(
+                f"Cannot restore the state of optimizer '{self.name}' "
+                f"({type(self).__name__}, accum_iters={self.accum_iters}): "
+                f"the checkpoint holds {len(store.keys())} optimizer "
+                f"variables, this optimizer has {len(self.variables)}. The "
+                "checkpoint was saved with a different optimizer or "
+                "accumulation configuration (accum_iters, amsgrad, momentum, "
+                "centered, use_ema, or a learning-rate schedule instead of a "
+                "float); rebuild the optimizer with the saved configuration."
+            )
+        super().load_own_variables(store)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "accum_iters": self.accum_iters,
+                "accumulator_dtype": self.accumulator_dtype,
+                "decay": self.decay,
+            }
+        )
+        return config

@@ -1,0 +1,37 @@
+"""Per-backend pieces of the accumulation mechanism, behind one interface.
+
+Each backend module exposes the same three names:
+
+- `fused_parent(parent)`: the class an accumulating optimizer should
+  subclass for the Keras optimizer `parent`. On torch this is Keras' fused
+  `_parallel_update_step` variant of the same optimizer (Keras swaps it in
+  only for its own exact classes); elsewhere it is `parent` itself.
+- `add_into(optimizer, accumulators, grads)`: `accumulator += grad`, for
+  each pair, on the cheapest path the backend has.
+- `run_if(optimizer, pred, fn)`: run `fn()` (which assigns optimizer and
+  model variables) only when the scalar boolean `pred` is true, without
+  computing `fn`'s math when it is false, in eager and in compiled code.
+"""
+
+from keras import backend
+
+_name = backend.backend()
+if _name == "tensorflow":
+    from accum_optimizers._backend.tensorflow import add_into
+    from accum_optimizers._backend.tensorflow import fused_parent
+    from accum_optimizers._backend.tensorflow import run_if
+elif _name == "jax":
+    from accum_optimizers._backend.jax import add_into
+    from accum_optimizers._backend.jax import fused_parent
+    from accum_optimizers._backend.jax import run_if
+elif _name == "torch":
+    from accum_optimizers._backend.torch import add_into
+    from accum_optimizers._backend.torch import fused_parent
+    from accum_optimizers._backend.torch import run_if
+else:
+    raise ImportError(
+        "accum_optimizers supports the Keras backends 'tensorflow', 'jax' "
+        f"and 'torch'. Received: KERAS_BACKEND={_name!r}"
+    )
+
+__all__ = ["add_into", "fused_parent", "run_if"]
