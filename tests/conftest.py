@@ -1,0 +1,52 @@
+import os
+
+import keras
+import numpy as np
+import pytest
+from hypothesis import HealthCheck
+from hypothesis import settings
+
+# CI: few, deterministic examples. Locally: HYPOTHESIS_PROFILE=thorough.
+settings.register_profile(
+    "ci",
+    max_examples=12,
+    derandomize=True,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "thorough",
+    max_examples=200,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_report_header(config):
+    return f"keras backend: {keras.backend.backend()}"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "backends(*names): run only on these Keras backends"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    backend = keras.backend.backend()
+    for item in items:
+        marker = item.get_closest_marker("backends")
+        if marker is not None and backend not in marker.args:
+            item.add_marker(
+                pytest.mark.skip(reason=f"not applicable on {backend}")
+            )
+
+
+@pytest.fixture(autouse=True)
+def _fresh_keras_state():
+    keras.backend.clear_session()
+    yield
+    keras.config.set_dtype_policy("float32")

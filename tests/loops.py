@@ -1,0 +1,92 @@
+"""Custom training loops, one per backend: the only backend-specific test code.
+
+`gradients(model, x, y)` returns the gradients of the mean-squared-error loss
+of `model` on `(x, y)` with respect to `model.trainable_variables`, computed
+the way a user's hand-written loop on that backend computes them
+(`tf.GradientTape`, `jax.grad` over `stateless_call`, `loss.backward()`).
+`compiled_step(model, optimizer)` returns a function `(x, y) -> None` that
+computes the gradients and applies them inside the backend's compiler
+(`tf.function`, `jax.jit` with `stateless_apply`); it is `None` on torch.
+"""
+
+import keras
+import numpy as np
+from keras import ops
+
+BACKEND = keras.backend.backend()
+
+
+def mse(model, x, y):
+    y_pred = model(ops.convert_to_tensor(x), training=True)
+    return ops.mean(ops.square(y_pred - ops.convert_to_tensor(y)))
+
+
+if BACKEND == "tensorflow":
+    import tensorflow as tf
+
+    def gradients(model, x, y):
+        with tf.GradientTape() as tape:
+            loss = mse(model, x, y)
+        return tape.gradient(loss, model.trainable_variables)
+
+    def compiled_step(model, optimizer):
+        @tf.function(jit_compile=False)
+        def step(x, y):
+            grads = gradients(model, x, y)
+            optimizer.apply(grads, model.trainable_variables)
+
+        return step
+
+elif BACKEND == "jax":
+    import jax
+
+    def _loss(trainable, non_trainable, model, x, y):
+        y_pred, _ = model.stateless_call(trainable, non_trainable, x)
+        return ops.mean(ops.square(y_pred - y))
+
+    def gradients(model, x, y):
+        trainable = [v.value for v in model.trainable_variables]
+        non_trainable = [v.value for v in model.non_trainable_variables]
+        return jax.grad(_loss)(trainable, non_trainable, model, x, y)
+
+    def compiled_step(model, optimizer):
+        optimizer.build(model.trainable_variables)
+
+        @jax.jit
+        def pure_step(trainable, non_trainable, opt_state, x, y):
+            grads = jax.grad(_loss)(trainable, non_trainable, model, x, y)
+            return optimizer.stateless_apply(opt_state, grads, trainable)
+
+        def step(x, y):
+            trainable, opt_state = pure_step(
+                [v.value for v in model.trainable_variables],
+                [v.value for v in model.non_trainable_variables],
+                [v.value for v in optimizer.variables],
+                x,
+                y,
+            )
+            for variable, value in zip(model.trainable_variables, trainable):
+                variable.assign(value)
+            for variable, value in zip(optimizer.variables, opt_state):
+                variable.assign(value)
+
+        return step
+
+elif BACKEND == "torch":
+    import torch
+
+    def gradients(model, x, y):
+        model.zero_grad()
+        loss = mse(model, x, y)
+        loss.backward()
+        return [v.value.grad.clone() for v in model.trainable_variables]
+
+    def compiled_step(model, optimizer):
+        return None
+
+
+def numpy_values(tensors):
+    """Copies of the values of Keras variables or backend tensors."""
+    return [
+        np.array(ops.convert_to_numpy(getattr(t, "value", t))) for t in tensors
+    ]

@@ -1,0 +1,114 @@
+"""Accumulating k micro-batches of size b equals one batch of size k*b.
+
+The oracle is always the parent Keras optimizer on the concatenated batch.
+"""
+
+import keras
+import numpy as np
+from helpers import PARENTS
+from helpers import assert_same_state
+from helpers import optimizer_configs
+from helpers import regression_data
+from helpers import small_model
+from hypothesis import given
+from hypothesis import strategies as st
+from loops import gradients
+from loops import numpy_values
+
+
+@given(
+    config=optimizer_configs(),
+    accum_iters=st.integers(1, 6),
+    micro_batch=st.integers(1, 8),
+    windows=st.integers(2, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_fit_equals_parent_on_concatenated_batch(
+    config, accum_iters, micro_batch, windows, seed
+):
+    cls, kwargs = config
+    x, y = regression_data(seed, windows * accum_iters * micro_batch)
+
+    parent_model = small_model(seed)
+    parent = PARENTS[cls](**kwargs)
+    parent_model.compile(optimizer=parent, loss="mse")
+    parent_model.fit(
+        x, y, batch_size=accum_iters * micro_batch, shuffle=False, verbose=0
+    )
+
+    our_model = small_model(seed)
+    ours = cls(accum_iters=accum_iters, **kwargs)
+    our_model.compile(optimizer=ours, loss="mse")
+    our_model.fit(x, y, batch_size=micro_batch, shuffle=False, verbose=0)
+
+    assert int(ours.iterations) == windows
+    assert_same_state(ours, parent_model, our_model, parent)
+
+
+@given(
+    config=optimizer_configs(),
+    accum_iters=st.integers(1, 6),
+    micro_batch=st.integers(1, 8),
+    windows=st.integers(2, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_custom_loop_equals_parent_and_holds_still_inside_window(
+    config, accum_iters, micro_batch, windows, seed
+):
+    cls, kwargs = config
+    k, b = accum_iters, micro_batch
+    x, y = regression_data(seed, windows * k * b)
+    parent_model, our_model = small_model(seed), small_model(seed)
+    parent, ours = PARENTS[cls](**kwargs), cls(accum_iters=k, **kwargs)
+    parent.build(parent_model.trainable_variables)
+    ours.build(our_model.trainable_variables)
+    parent_state_size = len(parent.variables)
+
+    for window in range(windows):
+        big = slice(window * k * b, (window + 1) * k * b)
+        parent.apply(
+            gradients(parent_model, x[big], y[big]),
+            parent_model.trainable_variables,
+        )
+        for micro in range(k):
+            start = window * k * b + micro * b
+            small = slice(start, start + b)
+            before = numpy_values(
+                our_model.trainable_variables
+                + ours.variables[:parent_state_size]
+            )
+            ours.apply(
+                gradients(our_model, x[small], y[small]),
+                our_model.trainable_variables,
+            )
+            if micro < k - 1:
+                after = numpy_values(
+                    our_model.trainable_variables
+                    + ours.variables[:parent_state_size]
+                )
+                for held, now in zip(before, after):
+                    np.testing.assert_array_equal(now, held)
+        assert int(ours.iterations) == window + 1
+
+    assert_same_state(ours, parent_model, our_model, parent)
+
+
+def test_accumulators_hold_the_running_sum_and_reset_after_update():
+    model = small_model(0)
+    x, y = regression_data(0, 6)
+    from accum_optimizers import SGDAccumulate
+
+    optimizer = SGDAccumulate(accum_iters=3)
+    expected = [np.zeros(v.shape, "float32") for v in model.trainable_variables]
+    for i in range(2):
+        grads = gradients(model, x[i : i + 1], y[i : i + 1])
+        optimizer.apply(grads, model.trainable_variables)
+        expected = [e + g for e, g in zip(expected, numpy_values(grads))]
+        for accumulator, total in zip(optimizer._accumulators, expected):
+            np.testing.assert_allclose(
+                keras.ops.convert_to_numpy(accumulator), total, rtol=1e-6
+            )
+    grads = gradients(model, x[2:3], y[2:3])
+    optimizer.apply(grads, model.trainable_variables)
+    for accumulator in optimizer._accumulators:
+        assert not np.any(keras.ops.convert_to_numpy(accumulator))

@@ -1,0 +1,106 @@
+"""Saving and loading: `.keras` files, `custom_objects`, resuming mid-window."""
+
+import keras
+import numpy as np
+import pytest
+from helpers import PARENTS
+from helpers import regression_data
+from helpers import small_model
+
+from accum_optimizers import AdamAccumulate
+from accum_optimizers import RMSpropAccumulate
+from accum_optimizers import SGDAccumulate
+
+OPTIONS = {
+    AdamAccumulate: {"amsgrad": True},
+    SGDAccumulate: {"momentum": 0.9, "learning_rate": 0.05},
+    RMSpropAccumulate: {"centered": True, "momentum": 0.5},
+}
+
+
+def _compiled(cls, accum_iters=4):
+    model = small_model(3)
+    model.compile(
+        optimizer=cls(accum_iters=accum_iters, **OPTIONS[cls]), loss="mse"
+    )
+    return model
+
+
+def _numpy(variables):
+    return [keras.ops.convert_to_numpy(v.value) for v in variables]
+
+
+@pytest.mark.parametrize("custom_objects", [False, True])
+@pytest.mark.parametrize("cls", list(PARENTS))
+def test_keras_file_saved_mid_window_resumes_like_uninterrupted_run(
+    cls, custom_objects, tmp_path
+):
+    k, b = 4, 2
+    x, y = regression_data(5, 2 * k * b)
+    first, second = slice(0, 6 * b), slice(6 * b, 2 * k * b)
+
+    uninterrupted = _compiled(cls, k)
+    uninterrupted.fit(x, y, batch_size=b, shuffle=False, verbose=0)
+
+    interrupted = _compiled(cls, k)
+    interrupted.fit(x[first], y[first], batch_size=b, shuffle=False, verbose=0)
+    assert int(interrupted.optimizer.iterations) == 1  # 2 of 4 pending
+    path = tmp_path / "mid_window.keras"
+    interrupted.save(path)
+    objects = {cls.__name__: cls} if custom_objects else None
+    restored = keras.saving.load_model(path, custom_objects=objects)
+
+    assert type(restored.optimizer) is cls
+    assert restored.optimizer.accum_iters == k
+    for saved, loaded in zip(
+        _numpy(interrupted.optimizer.variables),
+        _numpy(restored.optimizer.variables),
+    ):
+        np.testing.assert_array_equal(loaded, saved)
+
+    restored.fit(x[second], y[second], batch_size=b, shuffle=False, verbose=0)
+    assert int(restored.optimizer.iterations) == 2
+    for expected, actual in zip(
+        uninterrupted.get_weights(), restored.get_weights()
+    ):
+        np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-7)
+    for expected, actual in zip(
+        _numpy(uninterrupted.optimizer.variables),
+        _numpy(restored.optimizer.variables),
+    ):
+        np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "saved_iters, loaded_iters", [(4, 1), (1, 4)], ids=["4->1", "1->4"]
+)
+def test_loading_state_of_another_configuration_fails_loudly(
+    saved_iters, loaded_iters, tmp_path
+):
+    x, y = regression_data(0, 8)
+    saved = _compiled(AdamAccumulate, saved_iters)
+    saved.fit(x, y, batch_size=2, verbose=0)
+    path = tmp_path / "state.weights.h5"
+    saved.save_weights(path)
+
+    other = _compiled(AdamAccumulate, loaded_iters)
+    other.optimizer.build(other.trainable_variables)
+    with pytest.raises(ValueError, match="different optimizer or accumul"):
+        other.load_weights(path)
+
+
+def test_loading_plain_keras_adam_state_into_accumulating_fails_loudly(
+    tmp_path,
+):
+    x, y = regression_data(0, 8)
+    saved = small_model(3)
+    saved.compile(optimizer=keras.optimizers.Adam(), loss="mse")
+    saved.fit(x, y, batch_size=2, verbose=0)
+    path = tmp_path / "adam.weights.h5"
+    saved.save_weights(path)
+
+    other = _compiled(AdamAccumulate, 4)
+    other.optimizer.build(other.trainable_variables)
+    saved_count = len(saved.optimizer.variables)
+    with pytest.raises(ValueError, match=f"holds {saved_count} optimizer var"):
+        other.load_weights(path)
