@@ -161,10 +161,11 @@ class GradientAccumulation:
         super().build(variables)
         if self.accum_iters == 1:
             return
-        # `build` runs under `no_automatic_dependency_tracking` in the base
-        # class only; the variables below are tracked by `add_variable`.
         self._micro_steps = self.add_variable(
             shape=(), dtype="int", name="accum_micro_steps"
+        )
+        self._micro_batches = self.add_variable(
+            shape=(), dtype="int", name="accum_micro_batches"
         )
         self._accumulators = [
             self._add_accumulator(variable) for variable in variables
@@ -183,6 +184,41 @@ class GradientAccumulation:
             dtype=dtype,
             name=f"{variable.path.replace('/', '_')}_accumulator",
             layout=getattr(variable, "_layout", None),
+        )
+
+    # -- Introspection -----------------------------------------------------
+
+    @property
+    def micro_steps(self):
+        """Micro-batches held in the pending window, `0..accum_iters - 1`.
+
+        Always `0` with `accum_iters=1`. `iterations` counts applied updates.
+        """
+        if self.accum_iters == 1 or not self.built:
+            return ops.zeros((), dtype="int32")
+        return self._micro_steps.value
+
+    @property
+    def micro_batches_seen(self):
+        """Micro-batches (`apply` calls) accumulated since creation.
+
+        Micro-steps dropped by a `LossScaleOptimizer` for non-finite
+        gradients never reach this optimizer and are not counted.
+        """
+        if self.accum_iters == 1 or not self.built:
+            return self.iterations
+        return self._micro_batches.value
+
+    @property
+    def last_apply_updated(self):
+        """Whether the last `apply` (or `flush`) updated the weights."""
+        if self.accum_iters == 1:
+            return ops.greater(self.iterations, 0)
+        if not self.built:
+            return ops.convert_to_tensor(False)
+        return ops.logical_and(
+            ops.equal(self._micro_steps.value, 0),
+            ops.greater(self._micro_batches.value, 0),
         )
 
     # -- The mechanism -----------------------------------------------------
@@ -205,30 +241,57 @@ class GradientAccumulation:
             if not self.built:
                 with keras.name_scope(self.name, caller=self):
                     self.build(trainable_variables)
+            self._check_variables_are_known(trainable_variables)
         if len(grads) != len(trainable_variables):
             raise ValueError(
                 f"Received {len(grads)} gradients for "
                 f"{len(trainable_variables)} variables."
             )
-        pairs = [(g, v) for g, v in zip(grads, trainable_variables)]
-        self._check_variables_are_known(trainable_variables)
-        present = [(g, v) for g, v in pairs if g is not None]
+        has_gradient = [g is not None for g in grads]
         with keras.name_scope(self.name, caller=self):
+            # counter: one more micro-batch in the window.
             _backend.add_into(
                 self,
-                [self._accumulator_for(v) for _, v in present],
-                [g for g, _ in present],
+                [
+                    self._accumulator_for(v)
+                    for v, present in zip(trainable_variables, has_gradient)
+                    if present
+                ],
+                [g for g in grads if g is not None],
             )
             micro_steps = self._micro_steps + 1
             self._micro_steps.assign(micro_steps)
+            self._micro_batches.assign(self._micro_batches + 1)
+            # update_switch: the window is full.
             update_switch = ops.greater_equal(micro_steps, self.accum_iters)
+            # blend and apply, on the window's last micro-step only.
             _backend.run_if(
                 self,
                 update_switch,
-                lambda: self._apply_window(
-                    [g is not None for g, _ in pairs], trainable_variables
-                ),
+                lambda: self._apply_window(has_gradient, trainable_variables),
             )
+
+    def flush(self):
+        """Applies the pending partial window, if any, and resets it.
+
+        The update uses the mean of the gradients of the micro-batches the
+        window holds (`micro_steps` of them), so a flushed window of `m`
+        micro-batches of size `b` equals the parent optimizer on one batch of
+        `m * b`. Does nothing when no micro-batch is pending or with
+        `accum_iters=1`. Every trainable variable is updated, with the
+        accumulated gradient of the window. Call it eagerly (the
+        `FlushAccumulation` callback does, at the end of epochs or training).
+        """
+        if self.accum_iters == 1 or not self.built:
+            return
+        trainable_variables = self._trainable_variables
+        _backend.run_if(
+            self,
+            ops.greater(self._micro_steps.value, 0),
+            lambda: self._apply_window(
+                [True] * len(trainable_variables), trainable_variables
+            ),
+        )
 
     def _apply_window(self, has_gradient, trainable_variables):
         """Applies the mean of the accumulated gradients, then resets them.

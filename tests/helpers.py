@@ -58,13 +58,39 @@ def optimizer_configs(draw):
             "momentum": draw(st.sampled_from([0.0, 0.5])),
             "centered": draw(st.booleans()),
         }
+    kwargs["learning_rate"] = draw(schedules(kwargs["learning_rate"]))
     kwargs["weight_decay"] = draw(st.sampled_from([None, 0.01, 0.1]))
     clip = draw(
         st.sampled_from([None, "clipnorm", "clipvalue", "global_clipnorm"])
     )
     if clip is not None:
         kwargs[clip] = draw(st.sampled_from([0.05, 0.5]))
+    if draw(st.booleans()):
+        kwargs["use_ema"] = True
+        kwargs["ema_momentum"] = draw(st.sampled_from([0.5, 0.9]))
+        kwargs["ema_overwrite_frequency"] = draw(st.sampled_from([None, 1, 2]))
     return cls, kwargs
+
+
+def schedules(learning_rate):
+    """A float learning rate, or a schedule that changes every few updates."""
+    s = keras.optimizers.schedules
+    return st.sampled_from(
+        [
+            learning_rate,
+            s.ExponentialDecay(learning_rate, decay_steps=1, decay_rate=0.5),
+            s.PiecewiseConstantDecay(
+                [1, 2], [learning_rate, learning_rate / 2, learning_rate / 8]
+            ),
+            s.CosineDecay(
+                0.0,
+                decay_steps=3,
+                warmup_target=learning_rate,
+                warmup_steps=2,
+            ),
+            s.InverseTimeDecay(learning_rate, decay_steps=1, decay_rate=1.0),
+        ]
+    )
 
 
 def assert_same_state(ours, parent_model, our_model, parent_optimizer):
@@ -72,22 +98,26 @@ def assert_same_state(ours, parent_model, our_model, parent_optimizer):
 
     The two runs add the same float32 numbers in a different order (the
     big-batch gradient sums all samples at once; ours sums per micro-batch,
-    then across micro-batches), so they differ by a few ulps per update.
-    `rtol=1e-5, atol=1e-6` is about 100 ulps of float32 at the magnitudes
-    used here (weights ~1, gradients ~1e-2..1), far below any real
-    difference in the update rule (one update of lr >= 1e-3).
+    then across micro-batches), so gradients differ by a few ulps. Adam and
+    RMSprop divide by the root of the second moment, which turns a few ulps
+    of a small gradient component into up to ~1e-4 relative in that
+    component's update (5e-5 is the worst seen in 200-example runs).
+    `rtol=1e-4, atol=1e-6` allows that and nothing more: a real difference
+    in the update rule (a missed or extra update, a wrong learning rate, EMA
+    step or clip) moves weights and moments by at least lr * |g| >~ 1e-4
+    absolute and by far more than 1e-4 relative.
     """
     for expected, actual in zip(
         parent_model.get_weights(), our_model.get_weights()
     ):
-        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-6)
     parent_state = parent_optimizer.variables
     our_state = ours.variables[: len(parent_state)]
     for expected, actual in zip(parent_state, our_state):
         np.testing.assert_allclose(
             keras.ops.convert_to_numpy(actual.value),
             keras.ops.convert_to_numpy(expected.value),
-            rtol=1e-5,
-            atol=1e-7,
+            rtol=1e-4,
+            atol=1e-6,
             err_msg=f"optimizer variable {expected.path} differs",
         )
