@@ -85,6 +85,24 @@ elif BACKEND == "torch":
         return None
 
 
+def apply(optimizer, grads, variables):
+    """`optimizer.apply`, through `stateless_apply` on JAX, as its trainer
+    does (Keras' `LossScaleOptimizer.apply` only works statelessly there)."""
+    if BACKEND != "jax":
+        optimizer.apply(grads, variables)
+        return
+    optimizer.build(variables)
+    new_values, new_state = optimizer.stateless_apply(
+        [v.value for v in optimizer.variables],
+        grads,
+        [v.value for v in variables],
+    )
+    for variable, value in zip(variables, new_values):
+        variable.assign(value)
+    for variable, value in zip(optimizer.variables, new_state):
+        variable.assign(value)
+
+
 def numpy_values(tensors):
     """Copies of the values of Keras variables or backend tensors."""
     return [
