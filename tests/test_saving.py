@@ -104,3 +104,86 @@ def test_loading_plain_keras_adam_state_into_accumulating_fails_loudly(
     saved_count = len(saved.optimizer.variables)
     with pytest.raises(ValueError, match=f"holds {saved_count} optimizer var"):
         other.load_weights(path)
+
+
+@pytest.mark.parametrize("weights_only", [False, True], ids=["keras", "h5"])
+def test_model_checkpoint_mid_window_resumes_like_uninterrupted_run(
+    weights_only, tmp_path
+):
+    k, b = 4, 2
+    x, y = regression_data(6, 2 * k * b)
+    first, second = slice(0, 6 * b), slice(6 * b, 2 * k * b)
+    uninterrupted = _compiled(AdamAccumulate, k)
+    uninterrupted.fit(x, y, batch_size=b, shuffle=False, verbose=0)
+
+    path = tmp_path / ("ckpt.weights.h5" if weights_only else "ckpt.keras")
+    interrupted = _compiled(AdamAccumulate, k)
+    interrupted.fit(
+        x[first], y[first], batch_size=b, shuffle=False, verbose=0,
+        callbacks=[
+            keras.callbacks.ModelCheckpoint(
+                path, save_weights_only=weights_only
+            )
+        ],
+    )
+    if weights_only:
+        restored = _compiled(AdamAccumulate, k)
+        restored.optimizer.build(restored.trainable_variables)
+        restored.load_weights(path)
+    else:
+        restored = keras.saving.load_model(path)
+    assert int(restored.optimizer.micro_steps) == 2
+    restored.fit(x[second], y[second], batch_size=b, shuffle=False, verbose=0)
+    for expected, actual in zip(
+        uninterrupted.get_weights(), restored.get_weights()
+    ):
+        np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.backends("tensorflow")
+@pytest.mark.parametrize("cls", list(PARENTS))
+def test_tf_train_checkpoint_mid_window_resumes_like_uninterrupted_run(
+    cls, tmp_path
+):
+    import tensorflow as tf
+
+    k, b = 4, 2
+    x, y = regression_data(8, 2 * k * b)
+    first, second = slice(0, 5 * b), slice(5 * b, 2 * k * b)
+    uninterrupted = _compiled(cls, k)
+    uninterrupted.fit(x, y, batch_size=b, shuffle=False, verbose=0)
+
+    interrupted = _compiled(cls, k)
+    interrupted.fit(x[first], y[first], batch_size=b, shuffle=False, verbose=0)
+    saved = tf.train.Checkpoint(
+        model=interrupted, optimizer=interrupted.optimizer
+    ).save(str(tmp_path / "ckpt"))
+
+    restored = _compiled(cls, k)
+    restored.optimizer.build(restored.trainable_variables)
+    tf.train.Checkpoint(
+        model=restored, optimizer=restored.optimizer
+    ).restore(saved).assert_consumed()
+    assert int(restored.optimizer.micro_steps) == 1
+    restored.fit(x[second], y[second], batch_size=b, shuffle=False, verbose=0)
+    for expected, actual in zip(
+        uninterrupted.get_weights(), restored.get_weights()
+    ):
+        np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.backends("tensorflow")
+def test_tf_train_checkpoint_of_another_configuration_is_reported(tmp_path):
+    import tensorflow as tf
+
+    x, y = regression_data(0, 8)
+    saved_model = _compiled(AdamAccumulate, 4)
+    saved_model.fit(x, y, batch_size=2, verbose=0)
+    saved = tf.train.Checkpoint(optimizer=saved_model.optimizer).save(
+        str(tmp_path / "ckpt")
+    )
+    other = _compiled(AdamAccumulate, 1)
+    other.optimizer.build(other.trainable_variables)
+    status = tf.train.Checkpoint(optimizer=other.optimizer).restore(saved)
+    with pytest.raises(AssertionError):
+        status.assert_consumed()
