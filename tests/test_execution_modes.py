@@ -1,0 +1,104 @@
+"""Every execution mode Keras offers on the current backend: `jit_compile`
+True / False / "auto", `run_eagerly=True`, and hand-written compiled loops
+(`tf.function`; `jax.jit` around `stateless_apply`)."""
+
+import keras
+import numpy as np
+import pytest
+from helpers import PARENTS
+from helpers import assert_same_state
+from helpers import regression_data
+from helpers import small_model
+from loops import BACKEND
+from loops import compiled_step
+from loops import gradients
+
+from accum_optimizers import AdamAccumulate
+from accum_optimizers import FlushAccumulation
+
+K, B, WINDOWS = 3, 2, 3
+OPTIONS = {
+    "AdamAccumulate": dict(
+        amsgrad=True,
+        learning_rate=keras.optimizers.schedules.ExponentialDecay(
+            0.01, 1, 0.7
+        ),
+        use_ema=True,
+        ema_overwrite_frequency=2,
+    ),
+    "SGDAccumulate": dict(momentum=0.9, nesterov=True, clipnorm=0.1),
+    "RMSpropAccumulate": dict(centered=True, weight_decay=0.1),
+}
+
+MODES = [
+    pytest.param(dict(jit_compile=True), id="jit_compile=True"),
+    pytest.param(dict(jit_compile=False), id="jit_compile=False"),
+    pytest.param(dict(jit_compile="auto"), id="jit_compile=auto"),
+    pytest.param(dict(run_eagerly=True), id="run_eagerly=True"),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("cls", list(PARENTS), ids=lambda c: c.__name__)
+def test_fit_in_every_execution_mode_equals_parent_big_batch(cls, mode):
+    options = OPTIONS[cls.__name__]
+    x, y = regression_data(9, WINDOWS * K * B + B)  # one window left partial
+    parent_model = small_model(9)
+    parent = PARENTS[cls](**options)
+    parent_model.compile(optimizer=parent, loss="mse", **mode)
+    parent_model.fit(x, y, batch_size=K * B, shuffle=False, verbose=0)
+
+    our_model = small_model(9)
+    ours = cls(accum_iters=K, **options)
+    our_model.compile(optimizer=ours, loss="mse", **mode)
+    our_model.fit(
+        x, y, batch_size=B, shuffle=False, verbose=0,
+        callbacks=[FlushAccumulation()],
+    )
+    assert int(ours.iterations) == WINDOWS + 1
+    assert_same_state(ours, parent_model, our_model, parent)
+
+
+@pytest.mark.backends("tensorflow", "jax")
+def test_compiled_custom_loop_equals_parent_big_batch():
+    x, y = regression_data(10, WINDOWS * K * B)
+    parent_model, our_model = small_model(10), small_model(10)
+    parent = keras.optimizers.Adam(0.01)
+    ours = AdamAccumulate(0.01, accum_iters=K)
+    step = compiled_step(our_model, ours)
+    for window in range(WINDOWS):
+        big = slice(window * K * B, (window + 1) * K * B)
+        parent.apply(
+            gradients(parent_model, x[big], y[big]),
+            parent_model.trainable_variables,
+        )
+        for micro in range(K):
+            start = window * K * B + micro * B
+            step(x[start : start + B], y[start : start + B])
+    assert int(ours.iterations) == WINDOWS
+    assert_same_state(ours, parent_model, our_model, parent)
+
+
+@pytest.mark.backends("jax")
+def test_jax_update_math_runs_inside_the_cond_branch():
+    """The jitted step holds one `cond` whose taken branch carries the whole
+    update; the accumulating branch is a pass-through."""
+    import jax
+
+    model = small_model(0)
+    optimizer = AdamAccumulate(accum_iters=4)
+    optimizer.build(model.trainable_variables)
+    grads = [np.ones(v.shape, "float32") for v in model.trainable_variables]
+    jaxpr = jax.make_jaxpr(optimizer.stateless_apply)(
+        [v.value for v in optimizer.variables],
+        grads,
+        [v.value for v in model.trainable_variables],
+    )
+    conds = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+    assert len(conds) == 1
+    branches = conds[0].params["branches"]
+    sizes = sorted(len(branch.jaxpr.eqns) for branch in branches)
+    assert sizes[0] == 0  # accumulate-only micro-step: nothing to compute
+    assert sizes[1] > 20  # the update: Adam's math for every variable
+    # Outside the cond: only the accumulation adds and the counter logic.
+    assert len(jaxpr.eqns) < 6 * len(grads) + 20
