@@ -29,8 +29,8 @@ variables and the parent's own code path.
 import inspect
 import warnings
 
-import numpy as np
 import keras
+import numpy as np
 from keras import backend
 from keras import config as keras_config
 from keras import ops
@@ -121,12 +121,13 @@ class GradientAccumulation:
                 DeprecationWarning,
                 stacklevel=3,
             )
-            if isinstance(decay, bool) or not isinstance(
-                decay, (int, float, np.floating, np.integer)
-            ) or not decay >= 0:
+            if (
+                isinstance(decay, bool)
+                or not isinstance(decay, (int, float, np.floating, np.integer))
+                or not decay >= 0
+            ):
                 raise ValueError(
-                    "`decay` must be a number >= 0. Received: "
-                    f"decay={decay!r}"
+                    f"`decay` must be a number >= 0. Received: decay={decay!r}"
                 )
             decay = float(decay)
         super().__init__(**kwargs)
@@ -311,9 +312,7 @@ class GradientAccumulation:
             )
             grads.append(ops.cast(mean, variable.dtype))
         super().apply(grads, trainable_variables)
-        for accumulator in self._accumulators:
-            accumulator.assign(ops.zeros_like(accumulator.value))
-        self._micro_steps.assign(ops.zeros_like(micro_steps))
+        _backend.zero(self._accumulators + [self._micro_steps])
 
     def _accumulator_for(self, variable):
         return self._accumulators[self._get_variable_index(variable)]

@@ -1,7 +1,11 @@
-"""Argument docs shared by the accumulating optimizers' docstrings."""
+"""Argument docs shared by the accumulating optimizers' docstrings.
+
+Each text is inserted after 8 spaces of indentation: its first line carries
+none, the following lines carry their own.
+"""
 
 PARENT_ARGS = """\
-        weight_decay: Float. If set, decoupled weight decay is applied once
+weight_decay: Float. If set, decoupled weight decay is applied once
             per applied update.
         clipnorm: Float. If set, the mean gradient of each weight is clipped
             so that its norm is no higher than this value.
@@ -27,7 +31,7 @@ PARENT_ARGS = """\
             variables. Defaults to a unique name from the class name."""
 
 ACCUMULATION_ARGS = """\
-        accum_iters: Integer >= 1. Number of micro-batches (`apply` calls)
+accum_iters: Integer >= 1. Number of micro-batches (`apply` calls)
             whose gradients are averaged into one update. Defaults to `1`,
             which behaves exactly like the parent optimizer.
         accumulator_dtype: Dtype of the gradient accumulators. Defaults to

@@ -41,8 +41,8 @@ class AdamAccumulate(
             (`keras.config.epsilon()`). Defaults to `1e-7`.
         amsgrad: Boolean. Whether to apply the AMSGrad variant. Defaults to
             `False`.
-{parent_args}
-{accumulation_args}
+        {parent_args}
+        {accumulation_args}
     """
 
     def __init__(

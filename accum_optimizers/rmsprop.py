@@ -40,8 +40,8 @@ class RMSpropAccumulate(
             default epsilon (`keras.config.epsilon()`). Defaults to `1e-7`.
         centered: Boolean. If `True`, gradients are normalized by the
             estimated variance of the gradient. Defaults to `False`.
-{parent_args}
-{accumulation_args}
+        {parent_args}
+        {accumulation_args}
     """
 
     def __init__(

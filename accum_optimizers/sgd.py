@@ -35,8 +35,8 @@ class SGDAccumulate(
             gradient descent. Defaults to `0.0`.
         nesterov: Boolean. Whether to apply Nesterov momentum. Defaults to
             `False`.
-{parent_args}
-{accumulation_args}
+        {parent_args}
+        {accumulation_args}
     """
 
     def __init__(

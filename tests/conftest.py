@@ -1,7 +1,6 @@
 import os
 
 import keras
-import numpy as np
 import pytest
 from hypothesis import HealthCheck
 from hypothesis import settings

@@ -45,7 +45,9 @@ def resume(directory):
 
     initial = np.load(directory / "initial.npz")
     uninterrupted = small_model(21)
-    uninterrupted.set_weights([initial[f"arr_{i}"] for i in range(len(initial))])
+    uninterrupted.set_weights(
+        [initial[f"arr_{i}"] for i in range(len(initial))]
+    )
     uninterrupted.compile(optimizer=_optimizer(), loss="mse")
     uninterrupted.fit(x, y, batch_size=B, shuffle=False, verbose=0)
     np.savez(

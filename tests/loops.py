@@ -73,7 +73,6 @@ elif BACKEND == "jax":
         return step
 
 elif BACKEND == "torch":
-    import torch
 
     def gradients(model, x, y):
         model.zero_grad()

@@ -14,6 +14,7 @@ import pytest
 from helpers import regression_data
 from helpers import small_model
 
+from accum_optimizers import FlushAccumulation
 from accum_optimizers import SGDAccumulate
 
 K, B, WINDOWS = 4, 2, 3
@@ -72,8 +73,6 @@ def test_keras_builtin_diverges_from_the_big_batch_run(case):
 
 
 def test_keras_builtin_carries_a_partial_window_ours_can_flush():
-    from accum_optimizers import FlushAccumulation
-
     x, y = regression_data(7, 10 * B)  # 10 micro-batches: 4 + 4 + 2
     big = small_model(7)
     big.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
@@ -89,11 +88,14 @@ def test_keras_builtin_carries_a_partial_window_ours_can_flush():
     ours = small_model(7)
     ours.compile(optimizer=SGDAccumulate(0.1, accum_iters=K), loss="mse")
     ours.fit(
-        x, y, batch_size=B, epochs=2, shuffle=False, verbose=0,
+        x,
+        y,
+        batch_size=B,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
         callbacks=[FlushAccumulation()],
     )
     assert int(ours.optimizer.iterations) == int(big.optimizer.iterations) == 6
     assert _largest_difference(ours.get_weights(), big.get_weights()) < 1e-5
-    assert (
-        _largest_difference(builtin.get_weights(), big.get_weights()) > 1e-3
-    )
+    assert _largest_difference(builtin.get_weights(), big.get_weights()) > 1e-3

@@ -21,9 +21,17 @@ def _run(backend, action, directory):
         pytest.skip(f"backend {backend} is not installed")
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
     result = subprocess.run(
-        [sys.executable, str(HERE / "cross_backend_worker.py"), action,
-         str(directory)],
-        cwd=HERE, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(HERE / "cross_backend_worker.py"),
+            action,
+            str(directory),
+        ],
+        cwd=HERE,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
 

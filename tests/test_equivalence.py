@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from loops import gradients
 from loops import numpy_values
 
+from accum_optimizers import SGDAccumulate
+
 
 @given(
     config=optimizer_configs(),
@@ -98,8 +100,6 @@ def test_custom_loop_equals_parent_and_holds_still_inside_window(
 def test_accumulators_hold_the_running_sum_and_reset_after_update():
     model = small_model(0)
     x, y = regression_data(0, 6)
-    from accum_optimizers import SGDAccumulate
-
     optimizer = SGDAccumulate(accum_iters=3)
     expected = [np.zeros(v.shape, "float32") for v in model.trainable_variables]
     for i in range(2):

@@ -9,7 +9,6 @@ from helpers import PARENTS
 from helpers import assert_same_state
 from helpers import regression_data
 from helpers import small_model
-from loops import BACKEND
 from loops import compiled_step
 from loops import gradients
 
@@ -20,9 +19,7 @@ K, B, WINDOWS = 3, 2, 3
 OPTIONS = {
     "AdamAccumulate": dict(
         amsgrad=True,
-        learning_rate=keras.optimizers.schedules.ExponentialDecay(
-            0.01, 1, 0.7
-        ),
+        learning_rate=keras.optimizers.schedules.ExponentialDecay(0.01, 1, 0.7),
         use_ema=True,
         ema_overwrite_frequency=2,
     ),
@@ -52,7 +49,11 @@ def test_fit_in_every_execution_mode_equals_parent_big_batch(cls, mode):
     ours = cls(accum_iters=K, **options)
     our_model.compile(optimizer=ours, loss="mse", **mode)
     our_model.fit(
-        x, y, batch_size=B, shuffle=False, verbose=0,
+        x,
+        y,
+        batch_size=B,
+        shuffle=False,
+        verbose=0,
         callbacks=[FlushAccumulation()],
     )
     assert int(ours.iterations) == WINDOWS + 1

@@ -30,18 +30,18 @@ GOLDEN = {
         SGDAccumulate,
         {"nesterov": True},
         np.array(
-        [
-            [0.9999] * 10,
-            [0.9989, 0.9979, 0.9969, 0.9959, 0.9949]
-            + [0.9939, 0.9929, 0.9919, 0.9909, 0.9899],
-            [0.9979, 0.9959, 0.9939, 0.9919, 0.9899]
-            + [0.9879, 0.9859, 0.9839, 0.9819, 0.9799],
-            [0.9969, 0.9939, 0.9909, 0.9879, 0.9849]
-            + [0.9819, 0.9789, 0.9759, 0.9729, 0.9699],
-            [0.9959, 0.9919, 0.9879, 0.9839, 0.9799]
-            + [0.9759, 0.9719, 0.9679, 0.9639, 0.9599],
-        ]
-    ),
+            [
+                [0.9999] * 10,
+                [0.9989, 0.9979, 0.9969, 0.9959, 0.9949]
+                + [0.9939, 0.9929, 0.9919, 0.9909, 0.9899],
+                [0.9979, 0.9959, 0.9939, 0.9919, 0.9899]
+                + [0.9879, 0.9859, 0.9839, 0.9819, 0.9799],
+                [0.9969, 0.9939, 0.9909, 0.9879, 0.9849]
+                + [0.9819, 0.9789, 0.9759, 0.9729, 0.9699],
+                [0.9959, 0.9919, 0.9879, 0.9839, 0.9799]
+                + [0.9759, 0.9719, 0.9679, 0.9639, 0.9599],
+            ]
+        ),
     ),
 }
 
@@ -91,7 +91,9 @@ def test_single_step(cls, expected, accum_iters):
     )
 
 
-@pytest.mark.parametrize("cls", [AdamAccumulate, SGDAccumulate, RMSpropAccumulate])
+@pytest.mark.parametrize(
+    "cls", [AdamAccumulate, SGDAccumulate, RMSpropAccumulate]
+)
 @pytest.mark.parametrize("accum_iters", [1, 4])
 def test_weight_decay_and_exclusions(cls, accum_iters):
     grads = ops.zeros((), dtype="float32")
@@ -100,10 +102,16 @@ def test_weight_decay_and_exclusions(cls, accum_iters):
         keras.Variable(2.0, name="exclude"),
         keras.Variable(2.0),
     )
-    optimizer_1 = cls(learning_rate=1.0, weight_decay=0.004, accum_iters=accum_iters)
-    optimizer_2 = cls(learning_rate=1.0, weight_decay=0.004, accum_iters=accum_iters)
+    optimizer_1 = cls(
+        learning_rate=1.0, weight_decay=0.004, accum_iters=accum_iters
+    )
+    optimizer_2 = cls(
+        learning_rate=1.0, weight_decay=0.004, accum_iters=accum_iters
+    )
     optimizer_2.exclude_from_weight_decay(var_names=["exclude"])
-    optimizer_3 = cls(learning_rate=1.0, weight_decay=0.004, accum_iters=accum_iters)
+    optimizer_3 = cls(
+        learning_rate=1.0, weight_decay=0.004, accum_iters=accum_iters
+    )
     optimizer_3.exclude_from_weight_decay(var_list=[var3])
     for _ in range(accum_iters):
         optimizer_1.apply_gradients(zip([grads], [var1]))

@@ -45,9 +45,7 @@ def test_mixed_precision_fit_matches_the_big_batch_run(policy, cls):
     # We require the difference between the two runs to stay below 5% of
     # how far training moved the weights: a wrong update (a missed window,
     # a gradient k times too large) moves them by 100% or more.
-    moved = max(
-        np.max(np.abs(a - b)) for a, b in zip(big.get_weights(), start)
-    )
+    moved = max(np.max(np.abs(a - b)) for a, b in zip(big.get_weights(), start))
     difference = max(
         np.max(np.abs(a - b))
         for a, b in zip(ours.get_weights(), big.get_weights())

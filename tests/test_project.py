@@ -34,3 +34,24 @@ def test_demo_trains_both_runs_to_the_same_weights(capsys):
     out = capsys.readouterr().out
     assert "AdamAccumulate(accum_iters=3), batch 16" in out
     assert difference < 1e-5
+
+
+def test_test_runner_reports_a_missing_backend_as_skipped_and_fails(
+    monkeypatch, capsys
+):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "run_tests", ROOT / "scripts" / "run_tests.py"
+    )
+    run_tests = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_tests)
+    monkeypatch.setattr(
+        run_tests.importlib.util, "find_spec", lambda name: None
+    )
+    assert run_tests.main(["--backends", "torch"]) == 1
+    out = capsys.readouterr().out
+    assert "torch       SKIPPED: backend not installed" in out
+    assert "MISSING BACKENDS: torch" in out
+    assert "tests: 0 passed, 0 failed, 0 skipped" in out
+    assert run_tests.main(["--backends", "torch", "--allow-missing"]) == 0

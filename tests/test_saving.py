@@ -119,7 +119,11 @@ def test_model_checkpoint_mid_window_resumes_like_uninterrupted_run(
     path = tmp_path / ("ckpt.weights.h5" if weights_only else "ckpt.keras")
     interrupted = _compiled(AdamAccumulate, k)
     interrupted.fit(
-        x[first], y[first], batch_size=b, shuffle=False, verbose=0,
+        x[first],
+        y[first],
+        batch_size=b,
+        shuffle=False,
+        verbose=0,
         callbacks=[
             keras.callbacks.ModelCheckpoint(
                 path, save_weights_only=weights_only
@@ -161,9 +165,9 @@ def test_tf_train_checkpoint_mid_window_resumes_like_uninterrupted_run(
 
     restored = _compiled(cls, k)
     restored.optimizer.build(restored.trainable_variables)
-    tf.train.Checkpoint(
-        model=restored, optimizer=restored.optimizer
-    ).restore(saved).assert_consumed()
+    tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).restore(
+        saved
+    ).assert_consumed()
     assert int(restored.optimizer.micro_steps) == 1
     restored.fit(x[second], y[second], batch_size=b, shuffle=False, verbose=0)
     for expected, actual in zip(

@@ -32,7 +32,12 @@ def test_flush_every_epoch_gives_windows_of_4_4_2(cls):
     ours = small_model(1)
     ours.compile(optimizer=cls(accum_iters=K), loss="mse")
     ours.fit(
-        x, y, batch_size=B, epochs=3, shuffle=False, verbose=0,
+        x,
+        y,
+        batch_size=B,
+        epochs=3,
+        shuffle=False,
+        verbose=0,
         callbacks=[FlushAccumulation()],
     )
     assert int(ours.optimizer.iterations) == 9
@@ -54,13 +59,22 @@ def test_flush_only_at_train_end():
     ours = small_model(2)
     ours.compile(optimizer=SGDAccumulate(0.1, accum_iters=K), loss="mse")
     ours.fit(
-        x, y, batch_size=B, epochs=2, shuffle=False, verbose=0,
+        x,
+        y,
+        batch_size=B,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
         callbacks=[FlushAccumulation(every_epoch=False)],
     )
     # 20 micro-batches: 5 full windows, nothing pending, nothing flushed.
     assert int(ours.optimizer.iterations) == 5
     ours.fit(
-        x[: 6 * B], y[: 6 * B], batch_size=B, verbose=0, shuffle=False,
+        x[: 6 * B],
+        y[: 6 * B],
+        batch_size=B,
+        verbose=0,
+        shuffle=False,
         callbacks=[FlushAccumulation(every_epoch=False)],
     )
     # 6 more: one full window, then 2 flushed at the end of training.
@@ -73,7 +87,9 @@ def test_flush_applies_the_mean_of_the_held_micro_batches():
     parent_model, our_model = small_model(3), small_model(3)
     parent = keras.optimizers.Adam(0.01)
     ours = AdamAccumulate(0.01, accum_iters=K)
-    parent.apply(gradients(parent_model, x, y), parent_model.trainable_variables)
+    parent.apply(
+        gradients(parent_model, x, y), parent_model.trainable_variables
+    )
     for i in range(3):
         batch = slice(i * B, (i + 1) * B)
         ours.apply(
@@ -170,7 +186,12 @@ def test_keras_learning_rate_callbacks_keep_working(callback):
     big = small_model(4)
     big.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5), loss="mse")
     big.fit(
-        x, y, batch_size=K * B, epochs=3, shuffle=False, verbose=0,
+        x,
+        y,
+        batch_size=K * B,
+        epochs=3,
+        shuffle=False,
+        verbose=0,
         callbacks=[callback()],
     )
     ours = small_model(4)
@@ -178,7 +199,12 @@ def test_keras_learning_rate_callbacks_keep_working(callback):
         optimizer=SGDAccumulate(0.1, momentum=0.5, accum_iters=K), loss="mse"
     )
     ours.fit(
-        x, y, batch_size=B, epochs=3, shuffle=False, verbose=0,
+        x,
+        y,
+        batch_size=B,
+        epochs=3,
+        shuffle=False,
+        verbose=0,
         callbacks=[callback()],
     )
     np.testing.assert_allclose(

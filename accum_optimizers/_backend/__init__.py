@@ -8,6 +8,8 @@ Each backend module exposes the same three names:
   only for its own exact classes); elsewhere it is `parent` itself.
 - `add_into(optimizer, accumulators, grads)`: `accumulator += grad`, for
   each pair, on the cheapest path the backend has.
+- `zero(variables)`: sets every variable to zeros, in place where the
+  backend can.
 - `run_if(optimizer, pred, fn)`: run `fn()` (which assigns optimizer and
   model variables) only when the scalar boolean `pred` is true, without
   computing `fn`'s math when it is false, in eager and in compiled code.
@@ -20,18 +22,21 @@ if _name == "tensorflow":
     from accum_optimizers._backend.tensorflow import add_into
     from accum_optimizers._backend.tensorflow import fused_parent
     from accum_optimizers._backend.tensorflow import run_if
+    from accum_optimizers._backend.tensorflow import zero
 elif _name == "jax":
     from accum_optimizers._backend.jax import add_into
     from accum_optimizers._backend.jax import fused_parent
     from accum_optimizers._backend.jax import run_if
+    from accum_optimizers._backend.jax import zero
 elif _name == "torch":
     from accum_optimizers._backend.torch import add_into
     from accum_optimizers._backend.torch import fused_parent
     from accum_optimizers._backend.torch import run_if
+    from accum_optimizers._backend.torch import zero
 else:
     raise ImportError(
         "accum_optimizers supports the Keras backends 'tensorflow', 'jax' "
         f"and 'torch'. Received: KERAS_BACKEND={_name!r}"
     )
 
-__all__ = ["add_into", "fused_parent", "run_if"]
+__all__ = ["add_into", "fused_parent", "run_if", "zero"]

@@ -10,6 +10,7 @@ the values `fn` assigned. XLA executes only the branch that is taken.
 
 import jax
 from keras import StatelessScope
+from keras import ops
 
 
 def fused_parent(parent):
@@ -19,6 +20,11 @@ def fused_parent(parent):
 def add_into(optimizer, accumulators, grads):
     for accumulator, grad in zip(accumulators, grads):
         accumulator.assign(accumulator.value + grad.astype(accumulator.dtype))
+
+
+def zero(variables):
+    for variable in variables:
+        variable.assign(ops.zeros(variable.shape, variable.dtype))
 
 
 def run_if(optimizer, pred, fn):

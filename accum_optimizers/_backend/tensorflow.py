@@ -1,6 +1,7 @@
 """TensorFlow pieces of the accumulation mechanism (see `__init__`)."""
 
 import tensorflow as tf
+from keras import ops
 
 
 def fused_parent(parent):
@@ -12,6 +13,11 @@ def add_into(optimizer, accumulators, grads):
     # gradients) instead of densifying them.
     for accumulator, grad in zip(accumulators, grads):
         optimizer.assign_add(accumulator, grad)
+
+
+def zero(variables):
+    for variable in variables:
+        variable.assign(ops.zeros(variable.shape, variable.dtype))
 
 
 def run_if(optimizer, pred, fn):

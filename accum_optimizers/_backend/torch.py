@@ -30,6 +30,11 @@ def add_into(optimizer, accumulators, grads):
     torch._foreach_add_(targets, sources)
 
 
+@torch.no_grad()
+def zero(variables):
+    torch._foreach_zero_([variable.value for variable in variables])
+
+
 def run_if(optimizer, pred, fn):
     if bool(pred):
         fn()

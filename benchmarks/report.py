@@ -1,0 +1,205 @@
+"""Turns benchmark records into the ratio table (markdown) and a chart."""
+
+from collections import defaultdict
+
+# (name, numerator, denominator, bar): the ratios the project promises.
+RATIOS = [
+    ("ours4/parent", "ours_k4", "parent", 1.0),
+    ("ours4/keras", "ours_k4", "keras_builtin_k4", 1.0),
+    ("ours4/ceiling", "ours_k4", "ceiling", 0.9),
+    ("ours1/parent", "ours_k1", "parent", 0.95),
+]
+BARS_ON_JAX = {"ours4/keras": 1.5}
+COLUMNS = [
+    ("parent", "parent b"),
+    ("keras_builtin_k4", "Keras k=4"),
+    ("ours_k4", "ours k=4"),
+    ("ours_k1", "ours k=1"),
+    ("ceiling", "ceiling"),
+    ("parent_4b", "parent 4b"),
+]
+COUNTER_BYTES = 16  # two scalar counters (int32 or int64)
+
+
+def _groups(results):
+    groups = defaultdict(dict)
+    for record in results["timings"]:
+        key = (record["mode"], record["workload"], record["optimizer"])
+        groups[key][record["config"]] = record
+    return groups
+
+
+def ratio_rows(results):
+    """One row per (mode, workload, optimizer): rates, ratios, verdicts."""
+    rows = []
+    for (mode, workload, optimizer), records in _groups(results).items():
+        rates = {c: r["samples_per_s"] for c, r in records.items()}
+        ratios = {}
+        for name, numerator, denominator, bar in RATIOS:
+            if mode == "jax":
+                bar = BARS_ON_JAX.get(name, bar)
+            value = rates[numerator] / rates[denominator]
+            ratios[name] = (value, bar, value >= bar)
+        extra = (
+            records["ours_k4"]["state_bytes"] - records["parent"]["state_bytes"]
+        )
+        accumulators = records["ours_k4"]["trainable_bytes"]
+        state_ok = 0 <= extra - accumulators <= COUNTER_BYTES
+        rows.append(
+            {
+                "mode": mode,
+                "workload": workload,
+                "optimizer": optimizer,
+                "rates": rates,
+                "ratios": ratios,
+                "extra_state_bytes": extra,
+                "accumulator_bytes": accumulators,
+                "state_ok": state_ok,
+            }
+        )
+    return rows
+
+
+def memory_rows(results):
+    peaks = defaultdict(dict)
+    for record in results["memory"]:
+        key = (record["mode"], record["workload"])
+        peaks[key][record["config"]] = record["peak_rss_bytes"]
+    accumulators = {
+        (r["mode"], r["workload"]): r["trainable_bytes"]
+        for r in results["timings"]
+        if r["config"] == "ours_k4" and r["optimizer"] == "adam"
+    }
+    rows = []
+    for (mode, workload), peak in peaks.items():
+        row = {"mode": mode, "workload": workload, "peaks": peak}
+        if {"parent", "ours_k4"} <= set(peak):
+            bound = (peak["parent"] + accumulators[(mode, workload)]) * 1.10
+            row["within_bound"] = peak["ours_k4"] <= bound
+        if workload == "convnet" and {"parent_4b", "ours_k4"} <= set(peak):
+            row["below_parent_4b"] = peak["ours_k4"] < peak["parent_4b"]
+        rows.append(row)
+    return rows
+
+
+def _mark(ok):
+    return "yes" if ok else "**NO**"
+
+
+def markdown(results):
+    machine = results["machine"]
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Command: `{results['command'].strip()}`  ",
+        f"Machine: {machine['platform']}, {machine['cpu_count']} CPU cores, "
+        f"Python {machine['python']}. Medians of {results['repeats']} "
+        "interleaved rounds after warm-up"
+        + (" (SMOKE RUN: not a measurement)" if results["smoke"] else "")
+        + f"; {results['seconds']} s in all.",
+        "",
+        "Micro-batch samples/s (higher is better) and the promised ratios "
+        "(bar in brackets; `ours4/keras` needs 1.5 on JAX). `state` checks "
+        "that ours(k=4) holds the parent's optimizer state plus exactly one "
+        "accumulator per trainable variable (and two scalar counters).",
+        "",
+    ]
+    header = ["mode", "workload", "optimizer"] + [t for _, t in COLUMNS]
+    header += [name for name, *_ in RATIOS] + ["state"]
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("|" + "---|" * len(header))
+    failures = []
+    for row in ratio_rows(results):
+        cells = [row["mode"], row["workload"], row["optimizer"]]
+        cells += [f"{row['rates'][c]:.0f}" for c, _ in COLUMNS]
+        for name, (value, bar, ok) in row["ratios"].items():
+            cells.append(f"{value:.2f} ({bar}) {'' if ok else '**NO**'}")
+            if not ok:
+                failures.append(
+                    f"{row['mode']} {row['workload']} {row['optimizer']}: "
+                    f"{name} = {value:.2f} < {bar}"
+                )
+        cells.append(_mark(row["state_ok"]))
+        if not row["state_ok"]:
+            failures.append(f"{row['mode']} {row['workload']}: state bytes")
+        lines.append("| " + " | ".join(cells) + " |")
+
+    memory = memory_rows(results)
+    if memory:
+        lines += [
+            "",
+            "Process peak RSS in MiB (Adam; one fresh process per "
+            "configuration). `bound`: ours(k=4) <= (parent at b + "
+            "accumulators) * 1.10; `< parent 4b`: conv net only.",
+            "",
+            "| mode | workload | parent b | Keras k=4 | ours k=4 | parent 4b "
+            "| bound | < parent 4b |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for row in memory:
+            peaks = row["peaks"]
+            mib = [
+                f"{peaks[c] / 2**20:.0f}" if c in peaks else "-"
+                for c in ("parent", "keras_builtin_k4", "ours_k4", "parent_4b")
+            ]
+            bound = _mark(row["within_bound"]) if "within_bound" in row else "-"
+            below = (
+                _mark(row["below_parent_4b"])
+                if "below_parent_4b" in row
+                else "-"
+            )
+            for key in ("within_bound", "below_parent_4b"):
+                if row.get(key) is False:
+                    failures.append(f"{row['mode']} {row['workload']}: {key}")
+            lines.append(
+                f"| {row['mode']} | {row['workload']} | "
+                + " | ".join(mib)
+                + f" | {bound} | {below} |"
+            )
+    lines += ["", f"Ratios not met: {len(failures)}"]
+    lines += [f"- {failure}" for failure in failures]
+    return "\n".join(lines) + "\n"
+
+
+def chart(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = ratio_rows(results)
+    modes = list(dict.fromkeys(row["mode"] for row in rows))
+    shown = [
+        ("keras_builtin_k4", "Keras k=4"),
+        ("ours_k4", "ours k=4"),
+        ("ours_k1", "ours k=1"),
+        ("ceiling", "ceiling"),
+    ]
+    figure, axes = plt.subplots(
+        len(modes), 1, figsize=(11, 2.8 * len(modes)), squeeze=False
+    )
+    for axis, mode in zip(axes[:, 0], modes):
+        mode_rows = [row for row in rows if row["mode"] == mode]
+        labels = [f"{r['workload']}\n{r['optimizer']}" for r in mode_rows]
+        width = 0.8 / len(shown)
+        for i, (config, label) in enumerate(shown):
+            values = [
+                r["rates"][config] / r["rates"]["parent"] for r in mode_rows
+            ]
+            axis.bar(
+                [x + i * width for x in range(len(mode_rows))],
+                values,
+                width,
+                label=label,
+            )
+        axis.axhline(1.0, color="black", linewidth=0.8)
+        axis.set_xticks(
+            [x + 0.4 - width / 2 for x in range(len(mode_rows))], labels
+        )
+        axis.set_ylabel("samples/s vs parent")
+        axis.set_title(mode)
+        axis.tick_params(axis="x", labelsize=7)
+    axes[0, 0].legend(ncol=len(shown), fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)

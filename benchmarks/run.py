@@ -1,0 +1,116 @@
+"""Side-by-side benchmark of accumulating optimizers: one command.
+
+    python -m benchmarks.run [--modes tensorflow tensorflow-xla jax torch]
+                             [--repeats 5] [--out benchmarks/results] [--smoke]
+
+For every backend mode (TensorFlow without and with XLA, JAX, torch), one
+worker process times, side by side, every configuration of every workload and
+optimizer (see `worker.py`): warm-up, then `--repeats` interleaved rounds,
+medians. Fresh processes then measure the peak RSS of the memory-relevant
+configurations (Adam). Writes `results.json`, `results.md` (tables and the
+issue's ratios, each marked met or not) and `results.png` to `--out`.
+`--smoke` runs a few steps of everything on the given modes, for the tests.
+"""
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import report
+
+ROOT = Path(__file__).resolve().parent.parent
+MODES = {
+    "tensorflow": "tensorflow",
+    "tensorflow-xla": "tensorflow",
+    "jax": "jax",
+    "torch": "torch",
+}
+MEMORY_CONFIGS = ["parent", "keras_builtin_k4", "ours_k4", "parent_4b"]
+
+
+def _worker(mode, arguments):
+    env = dict(os.environ, KERAS_BACKEND=MODES[mode], TF_CPP_MIN_LOG_LEVEL="3")
+    command = [sys.executable, "-m", "benchmarks.worker", "--mode", mode]
+    result = subprocess.run(
+        command + arguments, cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"benchmark worker failed ({mode} {' '.join(arguments)}):\n"
+            + result.stderr[-4000:]
+        )
+    return [json.loads(line) for line in result.stdout.splitlines() if line]
+
+
+def machine():
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--modes", nargs="+", choices=list(MODES), default=list(MODES)
+    )
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "benchmarks" / "results"
+    )
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--no-memory", action="store_true")
+    args = parser.parse_args(argv)
+
+    smoke = ["--smoke", "--optimizers", "adam"] if args.smoke else []
+    repeats = 1 if args.smoke else args.repeats
+    started = time.time()
+    timings, memory = [], []
+    for mode in args.modes:
+        print(f"timing {mode} ...", flush=True)
+        timings += _worker(mode, ["--repeats", str(repeats), *smoke])
+        if args.no_memory:
+            continue
+        workloads = ["mlp"] if args.smoke else ["mlp", "convnet", "transformer"]
+        configs = ["ours_k4"] if args.smoke else MEMORY_CONFIGS
+        for workload in workloads:
+            for config in configs:
+                memory += _worker(
+                    mode,
+                    [
+                        "--memory",
+                        config,
+                        "--workloads",
+                        workload,
+                        "--optimizers",
+                        "adam",
+                        *smoke[:1],
+                    ],
+                )
+    results = {
+        "command": "python -m benchmarks.run " + " ".join(argv or sys.argv[1:]),
+        "machine": machine(),
+        "repeats": repeats,
+        "smoke": args.smoke,
+        "seconds": round(time.time() - started),
+        "timings": timings,
+        "memory": memory,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    markdown = report.markdown(results)
+    (args.out / "results.md").write_text(markdown)
+    report.chart(results, args.out / "results.png")
+    print(markdown)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""One benchmark process: one Keras backend (and mode), side-by-side timing.
+
+Run by `benchmarks/run.py`; prints one JSON object per line. Two jobs:
+
+- `--time`: for each workload and optimizer, builds every configuration from
+  the same initial weights, warms each up (compilation, both branches of the
+  window gate), then runs `--repeats` interleaved rounds (the order rotates
+  every round) of `steps` micro-batches each, and reports the median
+  micro-batch samples/s of every configuration, with its optimizer state
+  bytes.
+- `--memory CONFIG`: a fresh process trains one configuration and reports its
+  process peak RSS (VmHWM), so configurations do not share a peak.
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import time
+
+import keras
+import numpy as np
+
+from accum_optimizers import AdamAccumulate
+from accum_optimizers import RMSpropAccumulate
+from accum_optimizers import SGDAccumulate
+from benchmarks import workloads
+from benchmarks.ceiling import AddOnly
+
+K = 4
+OPTIMIZERS = {
+    "adam": (keras.optimizers.Adam, AdamAccumulate, {}),
+    "sgd_momentum": (
+        keras.optimizers.SGD,
+        SGDAccumulate,
+        {"learning_rate": 0.01, "momentum": 0.9},
+    ),
+    "rmsprop": (keras.optimizers.RMSprop, RMSpropAccumulate, {}),
+}
+CONFIGS = [
+    "parent",
+    "keras_builtin_k4",
+    "ours_k4",
+    "ours_k1",
+    "ceiling",
+    "parent_4b",
+]
+
+
+def make_config(config, optimizer_name):
+    """Returns `(optimizer, batch size multiplier)` for a configuration."""
+    parent, ours, options = OPTIMIZERS[optimizer_name]
+    if config == "parent":
+        return parent(**options), 1
+    if config == "keras_builtin_k4":
+        return parent(gradient_accumulation_steps=K, **options), 1
+    if config == "ours_k4":
+        return ours(accum_iters=K, **options), 1
+    if config == "ours_k1":
+        return ours(accum_iters=1, **options), 1
+    if config == "ceiling":
+        return AddOnly(), 1
+    if config == "parent_4b":
+        return parent(**options), K
+    raise ValueError(f"Unknown configuration: {config!r}")
+
+
+def state_bytes(optimizer):
+    return int(
+        sum(
+            np.prod(v.shape) * np.dtype(v.dtype).itemsize
+            for v in optimizer.variables
+        )
+    )
+
+
+def compiled_model(workload, config, optimizer_name, jit_compile):
+    model = workloads.build(workload)
+    optimizer, multiplier = make_config(config, optimizer_name)
+    model.compile(
+        optimizer=optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=jit_compile,
+    )
+    return model, multiplier
+
+
+def train_seconds(model, x, y, batch_size):
+    start = time.perf_counter()
+    model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
+    return time.perf_counter() - start
+
+
+def time_group(workload, optimizer_name, jit_compile, repeats, smoke):
+    micro_batch, steps, smoke_steps = workloads.WORKLOADS[workload]
+    steps = smoke_steps if smoke else steps
+    x, y = workloads.data(workload, steps * micro_batch)
+    runs = {}
+    for config in CONFIGS:
+        model, multiplier = compiled_model(
+            workload, config, optimizer_name, jit_compile
+        )
+        batch = micro_batch * multiplier
+        train_seconds(model, x, y, batch)  # warm-up: compile, both branches
+        runs[config] = (model, batch, [])
+    for round_index in range(repeats):
+        shift = round_index % len(CONFIGS)
+        for config in CONFIGS[shift:] + CONFIGS[:shift]:
+            model, batch, rates = runs[config]
+            rates.append(len(x) / train_seconds(model, x, y, batch))
+    for config, (model, batch, rates) in runs.items():
+        yield {
+            "workload": workload,
+            "optimizer": optimizer_name,
+            "config": config,
+            "batch_size": batch,
+            "samples_per_s": statistics.median(rates),
+            "repeats": rates,
+            "state_bytes": state_bytes(model.optimizer),
+            "trainable_bytes": int(
+                sum(
+                    np.prod(v.shape) * np.dtype(v.dtype).itemsize
+                    for v in model.trainable_variables
+                )
+            ),
+        }
+
+
+def peak_rss_bytes():
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", required=True)
+    parser.add_argument(
+        "--workloads", nargs="+", default=list(workloads.WORKLOADS)
+    )
+    parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--memory", choices=CONFIGS)
+    args = parser.parse_args(argv)
+    jit_compile = {"tensorflow": False, "tensorflow-xla": True}.get(
+        args.mode, "auto"
+    )
+    common = {"mode": args.mode, "backend": keras.backend.backend()}
+    if args.memory:
+        workload, optimizer_name = args.workloads[0], args.optimizers[0]
+        micro_batch, steps, smoke_steps = workloads.WORKLOADS[workload]
+        steps = smoke_steps if args.smoke else steps
+        x, y = workloads.data(workload, steps * micro_batch)
+        model, multiplier = compiled_model(
+            workload, args.memory, optimizer_name, jit_compile
+        )
+        train_seconds(model, x, y, micro_batch * multiplier)
+        train_seconds(model, x, y, micro_batch * multiplier)
+        record = {
+            "workload": workload,
+            "optimizer": optimizer_name,
+            "config": args.memory,
+            "peak_rss_bytes": peak_rss_bytes(),
+        }
+        print(json.dumps({**common, **record}), flush=True)
+        return
+    for workload in args.workloads:
+        for optimizer_name in args.optimizers:
+            for record in time_group(
+                workload, optimizer_name, jit_compile, args.repeats, args.smoke
+            ):
+                print(json.dumps({**common, **record}), flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    main()

@@ -1,0 +1,48 @@
+"""The benchmark command, in smoke mode, on the current backend.
+
+Only checks that the command runs and writes its JSON, markdown table and
+chart with every configuration; timing ratios are never asserted in tests.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MODE = {"tensorflow": "tensorflow-xla"}.get(
+    keras.backend.backend(), keras.backend.backend()
+)
+
+
+def test_benchmark_smoke_run_writes_json_table_and_chart(tmp_path):
+    pytest.importorskip("matplotlib")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.run",
+            "--smoke",
+            "--modes",
+            MODE,
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    configs = {(r["workload"], r["config"]) for r in results["timings"]}
+    assert len(configs) == 3 * 6  # every workload, every configuration
+    assert all(r["samples_per_s"] > 0 for r in results["timings"])
+    assert results["memory"] and results["memory"][0]["peak_rss_bytes"] > 0
+    table = (tmp_path / "results.md").read_text()
+    for column in ("ours4/parent", "ours4/keras", "ours4/ceiling", "state"):
+        assert column in table
+    assert (tmp_path / "results.png").stat().st_size > 1000
