@@ -37,6 +37,19 @@ def test_bad_accum_iters_is_refused_naming_argument_and_value(cls, bad, error):
         cls(accum_iters=bad)
 
 
+@pytest.mark.backends("torch")
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("accum_iters", [1, 4])
+def test_torch_keeps_keras_fused_parallel_update_step(cls, accum_iters):
+    from keras.src.backend.torch.optimizers.torch_parallel_optimizer import (
+        TorchParallelOptimizer,
+    )
+
+    optimizer = cls(accum_iters=accum_iters)
+    assert isinstance(optimizer, TorchParallelOptimizer)
+    assert type(optimizer)._parallel_update_step is not None
+
+
 @pytest.mark.parametrize("cls", CLASSES)
 def test_numpy_integer_accum_iters_is_accepted(cls):
     assert cls(accum_iters=np.int64(3)).accum_iters == 3

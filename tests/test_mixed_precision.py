@@ -54,6 +54,27 @@ def test_mixed_precision_fit_matches_the_big_batch_run(policy, cls):
     assert difference < 0.05 * moved, (difference, moved)
 
 
+@pytest.mark.parametrize("cls", list(PARENTS))
+def test_explicit_loss_scale_optimizer_fit_matches_the_big_batch_run(cls):
+    big = _fit(
+        "float32",
+        keras.optimizers.LossScaleOptimizer(PARENTS[cls](learning_rate=0.01)),
+        K * B,
+    )
+    ours = _fit(
+        "float32",
+        keras.optimizers.LossScaleOptimizer(
+            cls(learning_rate=0.01, accum_iters=K)
+        ),
+        B,
+    )
+    assert int(ours.optimizer.iterations) == WINDOWS
+    # float32 compute: the loss scale is a power of two, so scaling and
+    # unscaling are exact and the usual float32 round-off bound holds.
+    for actual, expected in zip(ours.get_weights(), big.get_weights()):
+        np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-6)
+
+
 def test_accumulators_are_float32_for_float16_variables():
     variable = keras.Variable(np.ones(3), dtype="float16")
     optimizer = SGDAccumulate(accum_iters=2)

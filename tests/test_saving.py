@@ -107,17 +107,18 @@ def test_loading_plain_keras_adam_state_into_accumulating_fails_loudly(
 
 
 @pytest.mark.parametrize("weights_only", [False, True], ids=["keras", "h5"])
+@pytest.mark.parametrize("cls", list(PARENTS), ids=lambda c: c.__name__)
 def test_model_checkpoint_mid_window_resumes_like_uninterrupted_run(
-    weights_only, tmp_path
+    cls, weights_only, tmp_path
 ):
     k, b = 4, 2
     x, y = regression_data(6, 2 * k * b)
     first, second = slice(0, 6 * b), slice(6 * b, 2 * k * b)
-    uninterrupted = _compiled(AdamAccumulate, k)
+    uninterrupted = _compiled(cls, k)
     uninterrupted.fit(x, y, batch_size=b, shuffle=False, verbose=0)
 
     path = tmp_path / ("ckpt.weights.h5" if weights_only else "ckpt.keras")
-    interrupted = _compiled(AdamAccumulate, k)
+    interrupted = _compiled(cls, k)
     interrupted.fit(
         x[first],
         y[first],
@@ -131,7 +132,7 @@ def test_model_checkpoint_mid_window_resumes_like_uninterrupted_run(
         ],
     )
     if weights_only:
-        restored = _compiled(AdamAccumulate, k)
+        restored = _compiled(cls, k)
         restored.optimizer.build(restored.trainable_variables)
         restored.load_weights(path)
     else:

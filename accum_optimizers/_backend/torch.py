@@ -24,7 +24,7 @@ def fused_parent(parent):
 def add_into(optimizer, accumulators, grads):
     targets = [accumulator.value for accumulator in accumulators]
     sources = [
-        grad if grad.dtype == target.dtype else grad.to(target.dtype)
+        torch.as_tensor(grad, dtype=target.dtype, device=target.device)
         for grad, target in zip(grads, targets)
     ]
     torch._foreach_add_(targets, sources)
