@@ -19,14 +19,17 @@ from loops import numpy_values
 
 from accum_optimizers import SGDAccumulate
 
-
-@given(
+# Every optimizer flag, k = 1..6 micro-batches of 1..8 samples, 2..4 windows.
+WINDOW_DRAWS = dict(
     config=optimizer_configs(),
     accum_iters=st.integers(1, 6),
     micro_batch=st.integers(1, 8),
     windows=st.integers(2, 4),
     seed=st.integers(0, 2**16),
 )
+
+
+@given(**WINDOW_DRAWS)
 def test_fit_equals_parent_on_concatenated_batch(
     config, accum_iters, micro_batch, windows, seed
 ):
@@ -49,13 +52,7 @@ def test_fit_equals_parent_on_concatenated_batch(
     assert_same_state(ours, parent_model, our_model, parent)
 
 
-@given(
-    config=optimizer_configs(),
-    accum_iters=st.integers(1, 6),
-    micro_batch=st.integers(1, 8),
-    windows=st.integers(2, 4),
-    seed=st.integers(0, 2**16),
-)
+@given(**WINDOW_DRAWS)
 def test_custom_loop_equals_parent_and_holds_still_inside_window(
     config, accum_iters, micro_batch, windows, seed
 ):

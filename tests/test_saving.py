@@ -30,6 +30,13 @@ def _numpy(variables):
     return [keras.ops.convert_to_numpy(v.value) for v in variables]
 
 
+def _assert_resumed_like_uninterrupted(restored, uninterrupted):
+    for expected, actual in zip(
+        uninterrupted.get_weights(), restored.get_weights()
+    ):
+        np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("custom_objects", [False, True])
 @pytest.mark.parametrize("cls", list(PARENTS))
 def test_keras_file_saved_mid_window_resumes_like_uninterrupted_run(
@@ -60,10 +67,7 @@ def test_keras_file_saved_mid_window_resumes_like_uninterrupted_run(
 
     restored.fit(x[second], y[second], batch_size=b, shuffle=False, verbose=0)
     assert int(restored.optimizer.iterations) == 2
-    for expected, actual in zip(
-        uninterrupted.get_weights(), restored.get_weights()
-    ):
-        np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-7)
+    _assert_resumed_like_uninterrupted(restored, uninterrupted)
     for expected, actual in zip(
         _numpy(uninterrupted.optimizer.variables),
         _numpy(restored.optimizer.variables),
@@ -139,10 +143,7 @@ def test_model_checkpoint_mid_window_resumes_like_uninterrupted_run(
         restored = keras.saving.load_model(path)
     assert int(restored.optimizer.micro_steps) == 2
     restored.fit(x[second], y[second], batch_size=b, shuffle=False, verbose=0)
-    for expected, actual in zip(
-        uninterrupted.get_weights(), restored.get_weights()
-    ):
-        np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-7)
+    _assert_resumed_like_uninterrupted(restored, uninterrupted)
 
 
 @pytest.mark.backends("tensorflow")
@@ -171,10 +172,7 @@ def test_tf_train_checkpoint_mid_window_resumes_like_uninterrupted_run(
     ).assert_consumed()
     assert int(restored.optimizer.micro_steps) == 1
     restored.fit(x[second], y[second], batch_size=b, shuffle=False, verbose=0)
-    for expected, actual in zip(
-        uninterrupted.get_weights(), restored.get_weights()
-    ):
-        np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-7)
+    _assert_resumed_like_uninterrupted(restored, uninterrupted)
 
 
 @pytest.mark.backends("tensorflow")
