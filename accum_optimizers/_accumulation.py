@@ -162,11 +162,11 @@ class GradientAccumulation:
         super().build(variables)
         if self.accum_iters == 1:
             return
-        self._micro_steps = self.add_variable(
-            shape=(), dtype="int", name="accum_micro_steps"
+        self._micro_steps = self._add_local_variable(
+            "accum_micro_steps", shape=(), dtype="int"
         )
-        self._micro_batches = self.add_variable(
-            shape=(), dtype="int", name="accum_micro_batches"
+        self._micro_batches = self._add_local_variable(
+            "accum_micro_batches", shape=(), dtype="int"
         )
         self._accumulators = [
             self._add_accumulator(variable) for variable in variables
@@ -178,14 +178,40 @@ class GradientAccumulation:
             dtype = backend.standardize_dtype(variable.dtype)
             if dtype in _LOW_PRECISION_DTYPES:
                 dtype = "float32"
-        if dtype == backend.standardize_dtype(variable.dtype):
-            return self.add_variable_from_reference(variable, "accumulator")
-        return self.add_variable(
+        return self._add_local_variable(
+            f"{variable.path.replace('/', '_')}_accumulator",
             shape=variable.shape,
             dtype=dtype,
-            name=f"{variable.path.replace('/', '_')}_accumulator",
-            layout=getattr(variable, "_layout", None),
+            reference=variable,
         )
+
+    def _add_local_variable(self, name, shape, dtype, reference=None):
+        """Adds a replica-local variable (`synchronization="on_read"`).
+
+        Under `tf.distribute`, each replica adds its own gradients into its
+        own copy, without communication; `_apply_window` sums the copies
+        once per window. Read outside a replica (saving), an
+        accumulator is the sum over replicas and a counter the first
+        replica's; assigned outside (restoring), an accumulator is split
+        evenly. Elsewhere this is a plain variable, laid out like
+        `reference`.
+        """
+        with _backend.colocate_with(self, reference):
+            with keras.name_scope(self.name, caller=self):
+                variable = keras.Variable(
+                    initializer=keras.initializers.Zeros(),
+                    shape=shape,
+                    dtype=dtype,
+                    trainable=False,
+                    aggregation=(
+                        "only_first_replica" if reference is None else "sum"
+                    ),
+                    synchronization="on_read",
+                    layout=getattr(reference, "_layout", None),
+                    name=name,
+                )
+        self._track_variable(variable)
+        return variable
 
     # -- Introspection -----------------------------------------------------
 
@@ -297,22 +323,43 @@ class GradientAccumulation:
     def _apply_window(self, has_gradient, trainable_variables):
         """Applies the mean of the accumulated gradients, then resets them.
 
+        Under `tf.distribute` the replicas' accumulators are summed here,
+        once per window, so that clipping and the update see the global mean
+        gradient, as on one device with the global batch (Keras' own
+        optimizers clip each replica's share before summing).
+
         Variables whose gradient is `None` in the call that closes the window
         get `None`, and the parent optimizer skips them, as it would.
         """
         micro_steps = self._micro_steps.value
+        present = [
+            variable
+            for variable, has in zip(trainable_variables, has_gradient)
+            if has
+        ]
+        sums = iter(
+            _backend.sum_over_replicas(
+                [self._accumulator_for(v) for v in present]
+            )
+        )
         grads = []
-        for present, variable in zip(has_gradient, trainable_variables):
-            if not present:
+        for has, variable in zip(has_gradient, trainable_variables):
+            if not has:
                 grads.append(None)
                 continue
-            accumulator = self._accumulator_for(variable)
-            mean = ops.divide(
-                accumulator.value, ops.cast(micro_steps, accumulator.dtype)
-            )
+            total = next(sums)
+            mean = ops.divide(total, ops.cast(micro_steps, total.dtype))
             grads.append(ops.cast(mean, variable.dtype))
         super().apply(grads, trainable_variables)
         _backend.zero(self._accumulators + [self._micro_steps])
+
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        # TensorFlow only (Keras' `TFOptimizer` reduces gradients across
+        # replicas here, every `apply`): a window's gradients are already
+        # summed over replicas by `_apply_window`.
+        if self.accum_iters == 1:
+            return super()._all_reduce_sum_gradients(grads_and_vars)
+        return grads_and_vars
 
     def _accumulator_for(self, variable):
         return self._accumulators[self._get_variable_index(variable)]

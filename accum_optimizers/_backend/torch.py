@@ -1,5 +1,7 @@
 """torch pieces of the accumulation mechanism (see `__init__`)."""
 
+import contextlib
+
 import torch
 from keras.src import optimizers
 from keras.src.backend.torch.optimizers import torch_adam
@@ -20,6 +22,10 @@ def fused_parent(parent):
     return _FUSED.get(parent, parent)
 
 
+def colocate_with(optimizer, variable):
+    return contextlib.nullcontext()
+
+
 @torch.no_grad()
 def add_into(optimizer, accumulators, grads):
     targets = [accumulator.value for accumulator in accumulators]
@@ -28,6 +34,10 @@ def add_into(optimizer, accumulators, grads):
         for grad, target in zip(grads, targets)
     ]
     torch._foreach_add_(targets, sources)
+
+
+def sum_over_replicas(variables):
+    return [variable.value for variable in variables]
 
 
 @torch.no_grad()

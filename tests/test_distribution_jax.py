@@ -1,0 +1,168 @@
+"""Our optimizers under `keras.distribution` over two JAX CPU devices.
+
+Two JAX devices exist only if `XLA_FLAGS` asks for them before JAX starts,
+so one subprocess (distribution_jax_worker.py) trains every case and these
+tests judge what it wrote, each against its own oracle:
+
+- weights: `fit` under `DataParallel` (and `ModelParallel`) on global
+  micro-batches of b, accumulated over k, ends with the weights and
+  optimizer state of the parent Keras optimizer trained on one device on
+  batches of k*b, in the same order;
+- layout: every accumulator has its variable's sharding and Keras layout,
+  which is what Keras gives the parent's own slots (Adam's moments, ...),
+  and our counters are placed like `iterations`;
+- counters: `iterations` counts windows and no micro-batch is left pending.
+
+Runs once, from the JAX test process.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from distribution_jax_worker import ACCUM_ITERS
+from distribution_jax_worker import CASES
+from distribution_jax_worker import DEVICE_COUNT
+from distribution_jax_worker import WINDOWS
+
+HERE = Path(__file__).resolve().parent
+
+pytestmark = pytest.mark.backends("jax")
+
+WEIGHT_CASES = [name for name, case in CASES.items() if case.compare_weights]
+MODEL_PARALLEL_CASES = [
+    name for name, case in CASES.items() if case.distribution == "model"
+]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """What the worker wrote, by case name (see distribution_jax_worker)."""
+    result_path = tmp_path_factory.mktemp("distribution") / "result.json"
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    env = dict(
+        os.environ,
+        KERAS_BACKEND="jax",
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=f"{xla_flags} --xla_force_host_platform_device_count="
+        f"{DEVICE_COUNT}".strip(),
+        TF_CPP_MIN_LOG_LEVEL="3",
+    )
+    completed = subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "distribution_jax_worker.py"),
+            str(result_path),
+        ],
+        cwd=HERE,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    with open(result_path) as result_file:
+        return json.load(result_file)
+
+
+def test_every_case_ran_distributed_against_a_single_device_oracle(
+    results,
+):
+    assert set(results) == set(CASES)
+    for name, result in results.items():
+        assert result["parent_device_count"] == 1, name
+        for stage in ("after_build", "after_fit"):
+            for entry in result[stage]["per_variable"]:
+                assert entry["variable"]["device_count"] == DEVICE_COUNT, (
+                    f"{name}: {entry['path']} is not on every device"
+                )
+        if CASES[name].distribution == "data":
+            # DataParallel splits each global micro-batch over the devices.
+            assert result["data_layout_axes"] == ["batch", None], name
+
+
+@pytest.mark.parametrize("name", WEIGHT_CASES)
+def test_fit_under_distribution_equals_parent_on_one_device(results, name):
+    """Weights and the parent's optimizer variables (moments, ...) agree.
+
+    rtol/atol as in helpers.assert_same_state, for the same reason.
+    """
+    result = results[name]
+    assert len(result["our_weights"]) == len(result["parent_weights"])
+    for index, (expected, actual) in enumerate(
+        zip(result["parent_weights"], result["our_weights"])
+    ):
+        np.testing.assert_allclose(
+            np.asarray(actual, dtype="float32"),
+            np.asarray(expected, dtype="float32"),
+            rtol=1e-4,
+            atol=1e-6,
+            err_msg=f"{name}: weight {index} differs",
+        )
+    assert len(result["our_state"]) == len(result["parent_state"])
+    for (path, expected), (_, actual) in zip(
+        result["parent_state"], result["our_state"]
+    ):
+        np.testing.assert_allclose(
+            np.asarray(actual, dtype="float32"),
+            np.asarray(expected, dtype="float32"),
+            rtol=1e-4,
+            atol=1e-6,
+            err_msg=f"{name}: optimizer variable {path} differs",
+        )
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("stage", ["after_build", "after_fit"])
+def test_optimizer_variables_are_laid_out_like_their_variables(
+    results, name, stage
+):
+    """Our accumulators pass the check the parent's own slots pass.
+
+    Keras creates each slot (`add_variable_from_reference`) with its
+    variable's layout; our accumulator is held to the same: same Keras
+    layout (axes and mesh) and an equivalent JAX sharding.
+    """
+    placements = results[name][stage]
+    for entry in placements["per_variable"]:
+        variable = entry["variable"]
+        assert "accumulator" in entry["slots"]
+        assert len(entry["slots"]) >= 2, "no parent slot to compare with"
+        for kind, slot in entry["slots"].items():
+            where = f"{name} {stage}: {kind} of {entry['path']}"
+            assert slot["equivalent"], (
+                f"{where} is sharded as {slot['sharding']}, its variable "
+                f"as {variable['sharding']}"
+            )
+            assert slot["sharding"] == variable["sharding"], where
+            assert slot["layout_axes"] == variable["layout_axes"], where
+            assert slot["layout_mesh"] == variable["layout_mesh"], where
+    scalars = placements["scalars"]
+    for counter in ("micro_steps", "micro_batches"):
+        assert scalars[counter] == scalars["iterations"], (
+            f"{name} {stage}: {counter} is placed as {scalars[counter]}, "
+            f"`iterations` as {scalars['iterations']}"
+        )
+
+
+@pytest.mark.parametrize("name", MODEL_PARALLEL_CASES)
+def test_model_parallel_layout_check_is_not_vacuous(results, name):
+    """Some kernel is really sharded, so "same layout" means something."""
+    specs = [
+        entry["variable"]["layout_axes"]
+        for entry in results[name]["after_build"]["per_variable"]
+    ]
+    assert any("model" in (axes or []) for axes in specs), specs
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_iterations_count_windows_and_none_is_pending(results, name):
+    result = results[name]
+    assert result["iterations"] == WINDOWS
+    assert result["parent_iterations"] == WINDOWS
+    assert result["micro_steps"] == 0
+    assert result["micro_batches_seen"] == WINDOWS * ACCUM_ITERS
