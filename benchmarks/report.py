@@ -30,16 +30,28 @@ def _groups(results):
 
 
 def ratio_rows(results):
-    """One row per (mode, workload, optimizer): rates, ratios, verdicts."""
+    """One row per (mode, workload, optimizer): rates, ratios, verdicts.
+
+    A configuration that raised has no rate and its error in `errors`; a
+    ratio over a missing or failed configuration is `None`.
+    """
     rows = []
     for (mode, workload, optimizer), records in _groups(results).items():
-        rates = {c: r["samples_per_s"] for c, r in records.items()}
+        rates = {
+            c: r["samples_per_s"]
+            for c, r in records.items()
+            if "samples_per_s" in r
+        }
+        errors = {c: r["error"] for c, r in records.items() if "error" in r}
         ratios = {}
         for name, numerator, denominator, bar in RATIOS:
-            if mode == "jax":
+            if mode.startswith("jax"):
                 bar = BARS_ON_JAX.get(name, bar)
-            value = rates[numerator] / rates[denominator]
-            ratios[name] = (value, bar, value >= bar)
+            if numerator in rates and denominator in rates:
+                value = rates[numerator] / rates[denominator]
+                ratios[name] = (value, bar, value >= bar)
+            else:
+                ratios[name] = None
         extra = (
             records["ours_k4"]["state_bytes"] - records["parent"]["state_bytes"]
         )
@@ -51,6 +63,7 @@ def ratio_rows(results):
                 "workload": workload,
                 "optimizer": optimizer,
                 "rates": rates,
+                "errors": errors,
                 "ratios": ratios,
                 "extra_state_bytes": extra,
                 "accumulator_bytes": accumulators,
@@ -82,6 +95,14 @@ def memory_rows(results):
     return rows
 
 
+def _rate_cell(row, config):
+    if config in row["rates"]:
+        return f"{row['rates'][config]:.0f}"
+    if config in row["errors"]:
+        return "fails: " + row["errors"][config].split(":")[0]
+    return "-"
+
+
 def _mark(ok):
     return "yes" if ok else "**NO**"
 
@@ -101,7 +122,9 @@ def markdown(results):
         "Micro-batch samples/s (higher is better) and the promised ratios "
         "(bar in brackets; `ours4/keras` needs 1.5 on JAX). `state` checks "
         "that ours(k=4) holds the parent's optimizer state plus exactly one "
-        "accumulator per trainable variable (and two scalar counters).",
+        "accumulator per trainable variable (and two scalar counters). "
+        "The 2-replica modes count samples of the global micro-batch (2b); "
+        "`fails` names the error a configuration raised.",
         "",
     ]
     header = ["mode", "workload", "optimizer"] + [t for _, t in COLUMNS]
@@ -111,8 +134,12 @@ def markdown(results):
     failures = []
     for row in ratio_rows(results):
         cells = [row["mode"], row["workload"], row["optimizer"]]
-        cells += [f"{row['rates'][c]:.0f}" for c, _ in COLUMNS]
-        for name, (value, bar, ok) in row["ratios"].items():
+        cells += [_rate_cell(row, c) for c, _ in COLUMNS]
+        for name, ratio in row["ratios"].items():
+            if ratio is None:
+                cells.append("-")
+                continue
+            value, bar, ok = ratio
             cells.append(f"{value:.2f} ({bar}) {'' if ok else '**NO**'}")
             if not ok:
                 failures.append(
@@ -184,7 +211,8 @@ def chart(results, path):
         width = 0.8 / len(shown)
         for i, (config, label) in enumerate(shown):
             values = [
-                r["rates"][config] / r["rates"]["parent"] for r in mode_rows
+                r["rates"].get(config, float("nan")) / r["rates"]["parent"]
+                for r in mode_rows
             ]
             axis.bar(
                 [x + i * width for x in range(len(mode_rows))],

@@ -1,9 +1,11 @@
 """Side-by-side benchmark of accumulating optimizers: one command.
 
-    python -m benchmarks.run [--modes tensorflow tensorflow-xla jax torch]
+    python -m benchmarks.run [--modes tensorflow tensorflow-xla jax torch
+                              tensorflow-mirrored jax-dataparallel]
                              [--repeats 5] [--out benchmarks/results] [--smoke]
 
-For every backend mode (TensorFlow without and with XLA, JAX, torch), one
+For every backend mode (TensorFlow without and with XLA, JAX, torch, and on 2
+replicas TensorFlow's MirroredStrategy and JAX's DataParallel, MLP only), one
 worker process times, side by side, every configuration of every workload and
 optimizer (see `worker.py`): warm-up, then `--repeats` interleaved rounds,
 medians. Fresh processes then measure the peak RSS of the memory-relevant
@@ -29,12 +31,18 @@ MODES = {
     "tensorflow-xla": "tensorflow",
     "jax": "jax",
     "torch": "torch",
+    "tensorflow-mirrored": "tensorflow",
+    "jax-dataparallel": "jax",
 }
+# 2-replica modes: timed on the MLP only, no memory runs (see worker.py).
+DISTRIBUTED_MODES = ("tensorflow-mirrored", "jax-dataparallel")
 MEMORY_CONFIGS = ["parent", "keras_builtin_k4", "ours_k4", "parent_4b"]
 
 
 def _worker(mode, arguments):
     env = dict(os.environ, KERAS_BACKEND=MODES[mode], TF_CPP_MIN_LOG_LEVEL="3")
+    if mode == "jax-dataparallel":
+        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     command = [sys.executable, "-m", "benchmarks.worker", "--mode", mode]
     result = subprocess.run(
         command + arguments, cwd=ROOT, env=env, capture_output=True, text=True
@@ -75,8 +83,10 @@ def main(argv=None):
     timings, memory = [], []
     for mode in args.modes:
         print(f"timing {mode} ...", flush=True)
-        timings += _worker(mode, ["--repeats", str(repeats), *smoke])
-        if args.no_memory:
+        distributed = mode in DISTRIBUTED_MODES
+        only_mlp = ["--workloads", "mlp"] if distributed else []
+        timings += _worker(mode, ["--repeats", str(repeats), *smoke, *only_mlp])
+        if args.no_memory or distributed:
             continue
         workloads = ["mlp"] if args.smoke else ["mlp", "convnet", "transformer"]
         configs = ["ours_k4"] if args.smoke else MEMORY_CONFIGS

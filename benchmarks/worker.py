@@ -10,23 +10,42 @@ Run by `benchmarks/run.py`; prints one JSON object per line. Two jobs:
   bytes.
 - `--memory CONFIG`: a fresh process trains one configuration and reports its
   process peak RSS (VmHWM), so configurations do not share a peak.
+
+Two modes run on 2 replicas: `tensorflow-mirrored` (a `MirroredStrategy`
+over 2 logical CPU devices, made before TensorFlow starts) and
+`jax-dataparallel` (`keras.distribution.DataParallel` over 2 host devices;
+`run.py` sets `XLA_FLAGS`). There the micro-batch b is per replica, the
+figures count the global micro-batch (2b) samples, and the ceiling is not
+run (its add-only buffers are not replica-local).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import resource
 import statistics
+import sys
 import time
 
-import keras
-import numpy as np
+REPLICAS = 2
+DISTRIBUTED_MODES = ("tensorflow-mirrored", "jax-dataparallel")
+if "tensorflow-mirrored" in sys.argv:
+    import tensorflow as tf
 
-from accum_optimizers import AdamAccumulate
-from accum_optimizers import RMSpropAccumulate
-from accum_optimizers import SGDAccumulate
-from benchmarks import workloads
-from benchmarks.ceiling import AddOnly
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0],
+        [tf.config.LogicalDeviceConfiguration()] * REPLICAS,
+    )
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from accum_optimizers import AdamAccumulate  # noqa: E402
+from accum_optimizers import RMSpropAccumulate  # noqa: E402
+from accum_optimizers import SGDAccumulate  # noqa: E402
+from benchmarks import workloads  # noqa: E402
+from benchmarks.ceiling import AddOnly  # noqa: E402
 
 K = 4
 OPTIMIZERS = {
@@ -75,14 +94,31 @@ def state_bytes(optimizer):
     )
 
 
-def compiled_model(workload, config, optimizer_name, jit_compile):
-    model = workloads.build(workload)
-    optimizer, multiplier = make_config(config, optimizer_name)
-    model.compile(
-        optimizer=optimizer,
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        jit_compile=jit_compile,
-    )
+def strategy_scope(mode):
+    """Makes the scope models are built in: a 2-replica strategy's, or none."""
+    if mode == "tensorflow-mirrored":
+        import tensorflow as tf
+
+        devices = [f"/cpu:{i}" for i in range(REPLICAS)]
+        return tf.distribute.MirroredStrategy(devices).scope
+    return contextlib.nullcontext
+
+
+def configs_for(mode):
+    if mode in DISTRIBUTED_MODES:
+        return [c for c in CONFIGS if c != "ceiling"]
+    return CONFIGS
+
+
+def compiled_model(workload, config, optimizer_name, jit_compile, scope):
+    with scope():
+        model = workloads.build(workload)
+        optimizer, multiplier = make_config(config, optimizer_name)
+        model.compile(
+            optimizer=optimizer,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=jit_compile,
+        )
     return model, multiplier
 
 
@@ -92,28 +128,44 @@ def train_seconds(model, x, y, batch_size):
     return time.perf_counter() - start
 
 
-def time_group(workload, optimizer_name, jit_compile, repeats, smoke):
+def time_group(workload, optimizer_name, mode, jit_compile, repeats, smoke):
     micro_batch, steps, smoke_steps = workloads.WORKLOADS[workload]
     steps = smoke_steps if smoke else steps
+    if mode in DISTRIBUTED_MODES:
+        micro_batch *= REPLICAS
     x, y = workloads.data(workload, steps * micro_batch)
-    runs = {}
-    for config in CONFIGS:
+    runs, failed = {}, {}
+    configs = configs_for(mode)
+    scope = strategy_scope(mode)
+    for config in configs:
         model, multiplier = compiled_model(
-            workload, config, optimizer_name, jit_compile
+            workload, config, optimizer_name, jit_compile, scope
         )
         batch = micro_batch * multiplier
-        train_seconds(model, x, y, batch)  # warm-up: compile, both branches
+        try:  # warm-up: compile, both branches
+            train_seconds(model, x, y, batch)
+        except Exception as error:  # noqa: BLE001 - reported in the table
+            failed[config] = f"{type(error).__name__}: {error}"[:300]
+            continue
         runs[config] = (model, batch, [])
     for round_index in range(repeats):
-        shift = round_index % len(CONFIGS)
-        for config in CONFIGS[shift:] + CONFIGS[:shift]:
-            model, batch, rates = runs[config]
-            rates.append(len(x) / train_seconds(model, x, y, batch))
-    for config, (model, batch, rates) in runs.items():
-        yield {
+        shift = round_index % len(configs)
+        for config in configs[shift:] + configs[:shift]:
+            if config in runs:
+                model, batch, rates = runs[config]
+                rates.append(len(x) / train_seconds(model, x, y, batch))
+    for config in configs:
+        record = {
             "workload": workload,
             "optimizer": optimizer_name,
             "config": config,
+        }
+        if config in failed:
+            yield {**record, "error": failed[config]}
+            continue
+        model, batch, rates = runs[config]
+        yield {
+            **record,
             "batch_size": batch,
             "samples_per_s": statistics.median(rates),
             "repeats": rates,
@@ -146,9 +198,15 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--memory", choices=CONFIGS)
     args = parser.parse_args(argv)
-    jit_compile = {"tensorflow": False, "tensorflow-xla": True}.get(
-        args.mode, "auto"
+    jit_compile = {"tensorflow-xla": True}.get(
+        args.mode, False if args.mode.startswith("tensorflow") else "auto"
     )
+    if args.mode == "jax-dataparallel":
+        keras.distribution.set_distribution(
+            keras.distribution.DataParallel(
+                devices=keras.distribution.list_devices()[:REPLICAS]
+            )
+        )
     common = {"mode": args.mode, "backend": keras.backend.backend()}
     if args.memory:
         workload, optimizer_name = args.workloads[0], args.optimizers[0]
@@ -156,7 +214,11 @@ def main(argv=None):
         steps = smoke_steps if args.smoke else steps
         x, y = workloads.data(workload, steps * micro_batch)
         model, multiplier = compiled_model(
-            workload, args.memory, optimizer_name, jit_compile
+            workload,
+            args.memory,
+            optimizer_name,
+            jit_compile,
+            strategy_scope(args.mode),
         )
         train_seconds(model, x, y, micro_batch * multiplier)
         train_seconds(model, x, y, micro_batch * multiplier)
@@ -171,7 +233,12 @@ def main(argv=None):
     for workload in args.workloads:
         for optimizer_name in args.optimizers:
             for record in time_group(
-                workload, optimizer_name, jit_compile, args.repeats, args.smoke
+                workload,
+                optimizer_name,
+                args.mode,
+                jit_compile,
+                args.repeats,
+                args.smoke,
             ):
                 print(json.dumps({**common, **record}), flush=True)
 

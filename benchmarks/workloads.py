@@ -6,7 +6,7 @@ from keras import layers
 
 # name -> (micro-batch, steps per timed repeat, steps in smoke mode)
 WORKLOADS = {
-    "mlp": (32, 48, 4),
+    "mlp": (32, 96, 4),
     "convnet": (16, 24, 4),
     "transformer": (8, 24, 4),
 }

@@ -82,6 +82,11 @@ def test_resume_mid_window_from_keras_file_under_the_strategy(measured):
     assert result["max_difference"] < TOLERANCE
 
 
+def test_file_saved_under_the_strategy_resumes_on_one_device(measured):
+    # Accumulators are saved as the sum over replicas.
+    assert measured["resume/adam"]["max_difference_one_device"] < TOLERANCE
+
+
 def test_flush_partial_window_under_the_strategy(measured):
     result = measured["flush/sgd"]
     assert result["max_difference"] < TOLERANCE

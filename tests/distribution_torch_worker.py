@@ -1,0 +1,113 @@
+"""Worker for test_distribution_torch.py: one rank of torch DDP over gloo.
+
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=... RANK=r WORLD_SIZE=2 \
+        KERAS_BACKEND=torch python distribution_torch_worker.py OUT
+
+The setup of Keras' guide "Multi-GPU distributed training with PyTorch", on
+CPU processes: each rank builds the same small Keras model (a
+`torch.nn.Module` under the torch backend), wraps it in
+`torch.nn.parallel.DistributedDataParallel` and trains it in a custom torch
+loop. For every case in `CASES`, on every micro-step, each rank
+
+1. feeds its own `B` samples of a global micro-batch of `B * WORLD_SIZE`
+   through the DDP-wrapped model and takes the MSE;
+2. calls `loss.backward()`, during which DDP averages the gradients over the
+   ranks (through an all-reduce comm hook that counts its calls);
+3. hands the averaged `.grad` of every Keras variable's torch `Parameter`
+   to our optimizer's `apply` (with `accum_iters=K`), under
+   `torch.no_grad()` as Keras' own torch trainer does, then zeroes them.
+
+Every rank writes its final weights, its optimizer's counters and the
+number of gradient all-reduces to `OUT/rank{RANK}.npz`; the test compares
+them with the parent Keras optimizer on one process with the global batch
+`K * B * WORLD_SIZE`.
+"""
+
+import datetime
+import os
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import torch
+import torch.distributed as dist
+from helpers import regression_data
+from helpers import small_model
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from accum_optimizers import AdamAccumulate
+from accum_optimizers import SGDAccumulate
+
+K, B, WORLD_SIZE, WINDOWS = 3, 4, 2, 2
+GLOBAL_MICRO = B * WORLD_SIZE
+N = WINDOWS * K * GLOBAL_MICRO
+DATA_SEED = 5
+CASES = {
+    "adam": (AdamAccumulate, {"learning_rate": 0.01}),
+    "sgd_nesterov_momentum": (
+        SGDAccumulate,
+        {"learning_rate": 0.1, "momentum": 0.9, "nesterov": True},
+    ),
+}
+
+
+def counting_allreduce(state, bucket):
+    """DDP's default gradient all-reduce (sum / world size), counted."""
+    state["reductions"] += 1
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+def train(case, rank, x, y):
+    optimizer_class, kwargs = CASES[case]
+    model = small_model(0)
+    ddp = DistributedDataParallel(model)
+    state = {"reductions": 0}
+    ddp.register_comm_hook(state, counting_allreduce)
+    optimizer = optimizer_class(accum_iters=K, **kwargs)
+    variables = model.trainable_variables
+    for start in range(0, N, GLOBAL_MICRO):
+        lo = start + rank * B
+        xb = torch.from_numpy(x[lo : lo + B])
+        yb = torch.from_numpy(y[lo : lo + B])
+        loss = torch.mean(torch.square(ddp(xb) - yb))
+        loss.backward()  # DDP all-reduces (averages) the gradients here
+        # A Keras torch variable's `.value` is its `torch.nn.Parameter`.
+        grads = [v.value.grad for v in variables]
+        with torch.no_grad():
+            optimizer.apply(grads, variables)
+        ddp.zero_grad()
+    results = {f"{case}_w{i}": w for i, w in enumerate(model.get_weights())}
+    results[f"{case}_iterations"] = int(
+        keras.ops.convert_to_numpy(optimizer.iterations)
+    )
+    results[f"{case}_micro_batches_seen"] = int(
+        keras.ops.convert_to_numpy(optimizer.micro_batches_seen)
+    )
+    results[f"{case}_micro_steps"] = int(
+        keras.ops.convert_to_numpy(optimizer.micro_steps)
+    )
+    results[f"{case}_reductions"] = state["reductions"]
+    return results
+
+
+def main(out):
+    assert keras.backend.backend() == "torch"
+    rank = int(os.environ["RANK"])
+    dist.init_process_group(
+        "gloo", init_method="env://", timeout=datetime.timedelta(seconds=120)
+    )
+    try:
+        assert dist.get_world_size() == WORLD_SIZE
+        x, y = regression_data(DATA_SEED, N)
+        results = {"rank": rank, "world_size": dist.get_world_size()}
+        for case in CASES:
+            results.update(train(case, rank, x, y))
+        np.savez(Path(out) / f"rank{rank}.npz", **results)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

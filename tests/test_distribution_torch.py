@@ -1,0 +1,224 @@
+"""Multi-process data parallelism on the torch backend.
+
+Keras 3's `keras.distribution` API has no torch implementation: on torch,
+`keras.src.backend.distribution_lib` is `None`, so every function that needs
+the backend (`list_devices`, `get_device_count`, `initialize`,
+`distribute_tensor`, a `DeviceMesh`'s `backend_mesh`, and `DataParallel()`
+without devices, which lists them) raises `AttributeError: 'NoneType'
+object has no attribute ...`. A `DataParallel` given an explicit device list
+is accepted, can be set, and is then ignored: training runs on the one
+process's device, unsharded. The first tests record both behaviours, and
+that our optimizer under the ignored distribution trains as the parent does
+on one device.
+
+What Keras documents for several torch devices is its guide "Multi-GPU
+distributed training with PyTorch": the Keras model (a `torch.nn.Module`)
+wrapped in `torch.nn.parallel.DistributedDataParallel`, trained in a custom
+torch loop. The other tests start 2 CPU processes of
+`distribution_torch_worker.py` that do this over gloo on 127.0.0.1, with our
+optimizer's `apply` in the loop, wait with a timeout and stop both on any
+failure. The oracle is the parent Keras optimizer in this process, on the
+global batch `accum_iters * per-rank batch * ranks`.
+
+DDP all-reduces the gradients in every `backward`, so once per micro-step,
+not once per window: accumulating over `K` micro-steps costs `K` gradient
+all-reduces, as many as the parent optimizer without accumulation would
+(`test_ddp_reduces_the_gradients_every_micro_step` records it). Each rank's
+accumulator then holds gradients that are already global means, which is
+why every rank applies the same window. DDP's `no_sync()` (skip the
+all-reduce on the first `K - 1` micro-steps) does not compose with our
+optimizer: on torch the accumulators are plain rank-local tensors that are
+never reduced, so the unreduced micro-steps would make the ranks diverge.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.backends("torch")
+
+HERE = Path(__file__).resolve().parent
+TIMEOUT_S = 240
+CASES = ["adam", "sgd_nesterov_momentum"]
+
+
+# -- keras.distribution on torch -------------------------------------------
+
+
+def test_keras_distribution_has_no_torch_implementation():
+    # AttributeError: the torch backend sets `distribution_lib = None`.
+    with pytest.raises(
+        AttributeError,
+        match="'NoneType' object has no attribute 'list_devices'",
+    ):
+        keras.distribution.list_devices()
+    with pytest.raises(
+        AttributeError,
+        match="'NoneType' object has no attribute 'list_devices'",
+    ):
+        keras.distribution.DataParallel()
+    with pytest.raises(
+        AttributeError,
+        match="'NoneType' object has no attribute 'initialize'",
+    ):
+        keras.distribution.initialize()
+
+
+def test_data_parallel_with_explicit_devices_is_ignored():
+    # Accepted (nothing checks the devices: torch has no "cpu:1"), set, and
+    # then never consulted: the model trains unsharded on one device, and
+    # our optimizer trains as the parent does with the global batch.
+    from helpers import PARENTS
+    from helpers import regression_data
+    from helpers import small_model
+
+    from accum_optimizers import AdamAccumulate
+
+    k, micro_batch = 3, 8
+    x, y = regression_data(5, 2 * k * micro_batch)
+    distribution = keras.distribution.DataParallel(devices=["cpu:0", "cpu:1"])
+    with distribution.scope():
+        assert keras.distribution.distribution() is distribution
+        model = small_model(0)
+        optimizer = AdamAccumulate(0.01, accum_iters=k)
+        model.compile(optimizer=optimizer, loss="mse")
+        model.fit(x, y, batch_size=micro_batch, shuffle=False, verbose=0)
+    assert keras.distribution.distribution() is None
+    for variable in model.variables + optimizer.variables:
+        assert getattr(variable, "_layout", None) is None, variable.path
+    with pytest.raises(
+        AttributeError,
+        match="'NoneType' object has no attribute '_to_backend_mesh'",
+    ):
+        distribution.device_mesh.backend_mesh
+    assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == 2
+
+    parent = small_model(0)
+    parent.compile(optimizer=PARENTS[AdamAccumulate](0.01), loss="mse")
+    parent.fit(x, y, batch_size=k * micro_batch, shuffle=False, verbose=0)
+    for actual, expected in zip(model.get_weights(), parent.get_weights()):
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+# -- DistributedDataParallel over 2 processes --------------------------------
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(out, world_size):
+    port = free_port()
+    processes = []
+    logs = []
+    try:
+        for rank in range(world_size):
+            env = dict(
+                os.environ,
+                KERAS_BACKEND="torch",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                OMP_NUM_THREADS="1",  # 2 processes on 2 cores
+                TF_CPP_MIN_LOG_LEVEL="3",
+            )
+            processes.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(HERE / "distribution_torch_worker.py"),
+                        out,
+                    ],
+                    cwd=HERE,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
+        logs = [p.communicate(timeout=TIMEOUT_S)[0] for p in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    for rank, (process, log) in enumerate(zip(processes, logs)):
+        assert process.returncode == 0, f"rank {rank}:\n{log[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    from distribution_torch_worker import WORLD_SIZE
+
+    out = tmp_path_factory.mktemp("ddp")
+    run_ranks(str(out), WORLD_SIZE)
+    results = [dict(np.load(out / f"rank{r}.npz")) for r in range(WORLD_SIZE)]
+    for rank, result in enumerate(results):
+        assert result["rank"] == rank
+        assert result["world_size"] == WORLD_SIZE
+    return results
+
+
+def parent_weights(case):
+    from distribution_torch_worker import CASES as WORKER_CASES
+    from distribution_torch_worker import DATA_SEED
+    from distribution_torch_worker import GLOBAL_MICRO
+    from distribution_torch_worker import K
+    from distribution_torch_worker import N
+    from helpers import PARENTS
+    from helpers import regression_data
+    from helpers import small_model
+
+    optimizer_class, kwargs = WORKER_CASES[case]
+    x, y = regression_data(DATA_SEED, N)
+    model = small_model(0)
+    model.compile(optimizer=PARENTS[optimizer_class](**kwargs), loss="mse")
+    model.fit(x, y, batch_size=K * GLOBAL_MICRO, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_ddp_equals_one_process_global_batch(ranks, case):
+    from distribution_torch_worker import WINDOWS
+
+    chief = ranks[0]
+    expected = parent_weights(case)
+    for i, weight in enumerate(expected):
+        np.testing.assert_allclose(
+            chief[f"{case}_w{i}"], weight, rtol=1e-5, atol=1e-6
+        )
+    assert chief[f"{case}_iterations"] == WINDOWS
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_ddp_ranks_end_with_the_same_state(ranks, case):
+    from distribution_torch_worker import K
+    from distribution_torch_worker import WINDOWS
+
+    chief, other = ranks
+    for key in chief:
+        if key.startswith(f"{case}_w"):
+            np.testing.assert_array_equal(other[key], chief[key])
+    for result in ranks:
+        assert result[f"{case}_iterations"] == WINDOWS
+        assert result[f"{case}_micro_batches_seen"] == K * WINDOWS
+        assert result[f"{case}_micro_steps"] == 0
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_ddp_reduces_the_gradients_every_micro_step(ranks, case):
+    # One bucket for this small model: one all-reduce per backward.
+    from distribution_torch_worker import K
+    from distribution_torch_worker import WINDOWS
+
+    for result in ranks:
+        assert result[f"{case}_reductions"] == K * WINDOWS
