@@ -35,6 +35,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import keras
@@ -94,9 +95,11 @@ def test_data_parallel_with_explicit_devices_is_ignored():
         assert getattr(variable, "_layout", None) is None, variable.path
     with pytest.raises(
         AttributeError,
-        match="'NoneType' object has no attribute '_to_backend_mesh'",
+        match="'NoneType' object has no attribute 'distribute_tensor'",
     ):
-        distribution.device_mesh.backend_mesh
+        keras.distribution.distribute_tensor(
+            x, distribution.get_data_layout(x.shape)
+        )
     assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == 2
 
     parent = small_model(0)
@@ -116,9 +119,14 @@ def free_port():
 
 
 def run_ranks(out, world_size):
+    """Runs every rank to completion, or kills them all; judges exit codes.
+
+    Each rank's output goes to `out/rank{r}.log` (a file, not a pipe: no
+    rank can block on a full pipe while the test waits on another).
+    """
     port = free_port()
     processes = []
-    logs = []
+    timed_out = False
     try:
         for rank in range(world_size):
             env = dict(
@@ -131,28 +139,38 @@ def run_ranks(out, world_size):
                 OMP_NUM_THREADS="1",  # 2 processes on 2 cores
                 TF_CPP_MIN_LOG_LEVEL="3",
             )
-            processes.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        str(HERE / "distribution_torch_worker.py"),
-                        out,
-                    ],
-                    cwd=HERE,
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
+            with open(out / f"rank{rank}.log", "w") as log:
+                processes.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            str(HERE / "distribution_torch_worker.py"),
+                            str(out),
+                        ],
+                        cwd=HERE,
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
                 )
-            )
-        logs = [p.communicate(timeout=TIMEOUT_S)[0] for p in processes]
+        deadline = time.monotonic() + TIMEOUT_S
+        for process in processes:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        timed_out = True
     finally:
         for process in processes:
             if process.poll() is None:
                 process.kill()
                 process.wait()
-    for rank, (process, log) in enumerate(zip(processes, logs)):
-        assert process.returncode == 0, f"rank {rank}:\n{log[-3000:]}"
+    failures = [f"timed out after {TIMEOUT_S} s"] if timed_out else []
+    for rank, process in enumerate(processes):
+        if process.returncode != 0:
+            tail = (out / f"rank{rank}.log").read_text()[-3000:]
+            failures.append(
+                f"rank {rank} exited with {process.returncode}:\n{tail}"
+            )
+    assert not failures, "\n\n".join(failures)
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +178,7 @@ def ranks(tmp_path_factory):
     from distribution_torch_worker import WORLD_SIZE
 
     out = tmp_path_factory.mktemp("ddp")
-    run_ranks(str(out), WORLD_SIZE)
+    run_ranks(out, WORLD_SIZE)
     results = [dict(np.load(out / f"rank{r}.npz")) for r in range(WORLD_SIZE)]
     for rank, result in enumerate(results):
         assert result["rank"] == rank
@@ -201,8 +219,8 @@ def test_ddp_equals_one_process_global_batch(ranks, case):
 
 @pytest.mark.parametrize("case", CASES)
 def test_ddp_ranks_end_with_the_same_state(ranks, case):
-    from distribution_torch_worker import K
     from distribution_torch_worker import WINDOWS
+    from distribution_torch_worker import K
 
     chief, other = ranks
     for key in chief:
@@ -217,8 +235,8 @@ def test_ddp_ranks_end_with_the_same_state(ranks, case):
 @pytest.mark.parametrize("case", CASES)
 def test_ddp_reduces_the_gradients_every_micro_step(ranks, case):
     # One bucket for this small model: one all-reduce per backward.
-    from distribution_torch_worker import K
     from distribution_torch_worker import WINDOWS
+    from distribution_torch_worker import K
 
     for result in ranks:
         assert result[f"{case}_reductions"] == K * WINDOWS
