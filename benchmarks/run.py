@@ -69,7 +69,7 @@ def main(argv=None):
     parser.add_argument(
         "--modes", nargs="+", choices=list(MODES), default=list(MODES)
     )
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument(
         "--out", type=Path, default=ROOT / "benchmarks" / "results"
     )

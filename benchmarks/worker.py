@@ -194,7 +194,7 @@ def main(argv=None):
         "--workloads", nargs="+", default=list(workloads.WORKLOADS)
     )
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS))
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--memory", choices=CONFIGS)
     args = parser.parse_args(argv)
