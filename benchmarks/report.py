@@ -183,6 +183,16 @@ def markdown(results):
                 + " | ".join(mib)
                 + f" | {bound} | {below} |"
             )
+    for failure in results.get("failures", []):
+        lines += [
+            "",
+            f"Worker failed: {failure['mode']} {failure['failed']} "
+            f"(exit {failure['returncode']}); its rows are missing:",
+            "",
+            "```",
+            *failure["stderr_tail"][-6:],
+            "```",
+        ]
     lines += ["", f"Ratios not met: {len(failures)}"]
     lines += [f"- {failure}" for failure in failures]
     return "\n".join(lines) + "\n"
