@@ -108,6 +108,23 @@ def _rate_cell(row, config):
     return "-"
 
 
+def _ratio_cells(row, failures):
+    """The row's ratio cells; appends each ratio below its bar to `failures`."""
+    cells = []
+    for name, ratio in row["ratios"].items():
+        if ratio is None:
+            cells.append("-")
+            continue
+        value, bar, ok = ratio
+        cells.append(f"{value:.2f} ({bar}) {'' if ok else '**NO**'}")
+        if not ok:
+            failures.append(
+                f"{row['mode']} {row['workload']} {row['optimizer']}: "
+                f"{name} = {value:.2f} < {bar}"
+            )
+    return cells
+
+
 def _mark(ok):
     return "yes" if ok else "**NO**"
 
@@ -140,17 +157,7 @@ def markdown(results):
     for row in ratio_rows(results):
         cells = [row["mode"], row["workload"], row["optimizer"]]
         cells += [_rate_cell(row, c) for c, _ in COLUMNS]
-        for name, ratio in row["ratios"].items():
-            if ratio is None:
-                cells.append("-")
-                continue
-            value, bar, ok = ratio
-            cells.append(f"{value:.2f} ({bar}) {'' if ok else '**NO**'}")
-            if not ok:
-                failures.append(
-                    f"{row['mode']} {row['workload']} {row['optimizer']}: "
-                    f"{name} = {value:.2f} < {bar}"
-                )
+        cells += _ratio_cells(row, failures)
         cells.append(_mark(row["state_ok"]))
         if not row["state_ok"]:
             failures.append(f"{row['mode']} {row['workload']}: state bytes")
@@ -170,17 +177,7 @@ def markdown(results):
     ]
     for row in ratio_rows(results, statistic="best"):
         cells = [row["mode"], row["workload"], row["optimizer"]]
-        for name, ratio in row["ratios"].items():
-            if ratio is None:
-                cells.append("-")
-                continue
-            value, bar, ok = ratio
-            cells.append(f"{value:.2f} ({bar}) {'' if ok else '**NO**'}")
-            if not ok:
-                best_failures.append(
-                    f"{row['mode']} {row['workload']} {row['optimizer']}: "
-                    f"{name} = {value:.2f} < {bar}"
-                )
+        cells += _ratio_cells(row, best_failures)
         lines.append("| " + " | ".join(cells) + " |")
 
     memory = memory_rows(results)
