@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 from helpers import PARENTS  # noqa: E402
 from helpers import regression_data  # noqa: E402
 from helpers import small_model  # noqa: E402
+from helpers import train_with_strategy  # noqa: E402
 
 from accum_optimizers import AdamAccumulate  # noqa: E402
 from accum_optimizers import FlushAccumulation  # noqa: E402
@@ -186,23 +187,13 @@ def custom_loop_case(results, strategy, x, y):
         optimizer = AdamAccumulate(accum_iters=K, **CONFIGS["adam"][1])
         optimizer.build(model.trainable_variables)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_MICRO)
-    distributed = strategy.experimental_distribute_dataset(dataset)
-
-    def replica_step(xb, yb):
-        with tf.GradientTape() as tape:
-            per_sample = tf.reduce_mean(tf.square(model(xb) - yb), axis=-1)
-            loss = tf.nn.compute_average_loss(
-                per_sample, global_batch_size=GLOBAL_MICRO
-            )
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply(grads, model.trainable_variables)
-
-    @tf.function
-    def train_step(xb, yb):
-        strategy.run(replica_step, args=(xb, yb))
-
-    for xb, yb in distributed:
-        train_step(xb, yb)
+    train_with_strategy(
+        strategy,
+        model,
+        optimizer,
+        strategy.experimental_distribute_dataset(dataset),
+        GLOBAL_MICRO,
+    )
     results["custom_loop/adam"] = {
         "max_difference": max_difference(
             model.get_weights(), parent_weights("adam", x, y)

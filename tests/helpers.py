@@ -34,6 +34,31 @@ def regression_data(seed, n, in_dim=4, out_dim=2):
     return x, y
 
 
+def train_with_strategy(strategy, model, optimizer, distributed_batches, batch):
+    """A custom tf.distribute loop: `strategy.run` inside a `tf.function`.
+
+    Each replica's loss is its share of the mean squared error over the
+    global micro-batch of `batch` samples, as Keras' `fit` computes it.
+    """
+    import tensorflow as tf
+
+    def replica_step(xb, yb):
+        with tf.GradientTape() as tape:
+            per_sample = tf.reduce_mean(tf.square(model(xb) - yb), axis=-1)
+            loss = tf.nn.compute_average_loss(
+                per_sample, global_batch_size=batch
+            )
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)
+
+    @tf.function
+    def step(xb, yb):
+        strategy.run(replica_step, args=(xb, yb))
+
+    for xb, yb in distributed_batches:
+        step(xb, yb)
+
+
 @st.composite
 def optimizer_configs(draw):
     """Draws `(accumulating class, keyword arguments)` over every flag."""

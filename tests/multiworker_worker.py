@@ -28,6 +28,7 @@ import numpy as np
 import tensorflow as tf
 from helpers import regression_data
 from helpers import small_model
+from helpers import train_with_strategy
 
 from accum_optimizers import AdamAccumulate
 
@@ -48,10 +49,7 @@ def fresh_model(strategy):
 
 
 def train(strategy, model, optimizer, x, y):
-    """A custom loop: `strategy.run` inside a `tf.function`.
-
-    Each task feeds its own slice of every global micro-batch.
-    """
+    """A custom loop; each task feeds its slice of every global batch."""
 
     def dataset(context):
         lo = context.input_pipeline_id * B
@@ -61,21 +59,13 @@ def train(strategy, model, optimizer, x, y):
             .map(lambda xb, yb: (xb[lo : lo + B], yb[lo : lo + B]))
         )
 
-    def replica_step(xb, yb):
-        with tf.GradientTape() as tape:
-            per_sample = tf.reduce_mean(tf.square(model(xb) - yb), axis=-1)
-            loss = tf.nn.compute_average_loss(
-                per_sample, global_batch_size=GLOBAL_MICRO
-            )
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply(grads, model.trainable_variables)
-
-    @tf.function
-    def step(xb, yb):
-        strategy.run(replica_step, args=(xb, yb))
-
-    for xb, yb in strategy.distribute_datasets_from_function(dataset):
-        step(xb, yb)
+    train_with_strategy(
+        strategy,
+        model,
+        optimizer,
+        strategy.distribute_datasets_from_function(dataset),
+        GLOBAL_MICRO,
+    )
 
 
 def barrier(strategy):
