@@ -20,8 +20,9 @@ Each call reads
         parent.apply(accumulators / micro_steps)
         accumulators, micro_steps = 0, 0
 
-The `if` is a real branch on every backend (`tf.cond`, `jax.lax.cond`, a
-Python `if` on torch), so the accumulating micro-steps never run the update
+The `if` is a real branch on every backend (a `tf.while_loop` or
+`jax.lax.while_loop` that runs zero times or once, a Python `if` on torch),
+so the accumulating micro-steps never run the update
 math. With `accum_iters=1` the optimizer is the parent optimizer: no extra
 variables and the parent's own code path.
 """
@@ -279,12 +280,8 @@ class GradientAccumulation:
             # counter: one more micro-batch in the window.
             _backend.add_into(
                 self,
-                [
-                    self._accumulator_for(v)
-                    for v, present in zip(trainable_variables, has_gradient)
-                    if present
-                ],
-                [g for g in grads if g is not None],
+                [self._accumulator_for(v) for v in trainable_variables],
+                grads,
             )
             micro_steps = self._micro_steps + 1
             self._micro_steps.assign(micro_steps)
@@ -351,7 +348,7 @@ class GradientAccumulation:
             mean = ops.divide(total, ops.cast(micro_steps, total.dtype))
             grads.append(ops.cast(mean, variable.dtype))
         super().apply(grads, trainable_variables)
-        _backend.zero(self._accumulators + [self._micro_steps])
+        _backend.end_window(self)
 
     def _all_reduce_sum_gradients(self, grads_and_vars):
         # TensorFlow only (Keras' `TFOptimizer` reduces gradients across
@@ -377,6 +374,20 @@ class GradientAccumulation:
         )
 
     # -- Serialization -----------------------------------------------------
+
+    def save_own_variables(self, store):
+        if self.accum_iters == 1 or not self.built:
+            return super().save_own_variables(store)
+        # Between windows the JAX backend leaves the last window's sums in
+        # the accumulators (the next micro-step overwrites them); save the
+        # empty window they stand for.
+        between_windows = int(ops.convert_to_numpy(self._micro_steps)) == 0
+        accumulators = {id(a) for a in self._accumulators}
+        for i, variable in enumerate(self.variables):
+            value = variable.numpy()
+            if between_windows and id(variable) in accumulators:
+                value = np.zeros_like(value)
+            store[str(i)] = value
 
     def load_own_variables(self, store):
         if self.built and len(store.keys()) != len(self.variables):

@@ -1,10 +1,12 @@
 """The ceiling configuration: an optimizer that only adds the gradients into
 one buffer per variable (forward + backward + add, no update), the physical
-floor of an accumulating micro-step."""
+floor of an accumulating micro-step. The add is each backend's cheapest:
+the optimizer's `assign_add` on TensorFlow (it scatters `IndexedSlices`),
+one fused `torch._foreach_add_` on torch, a plain `+` (updated in place by
+XLA under `jax.jit`) on JAX."""
 
 import keras
-
-from accum_optimizers import _backend
+from keras import backend
 
 
 class AddOnly(keras.optimizers.Optimizer):
@@ -20,5 +22,12 @@ class AddOnly(keras.optimizers.Optimizer):
     def apply(self, grads, trainable_variables=None):
         if trainable_variables is not None and not self.built:
             self.build(list(trainable_variables))
-        _backend.add_into(self, self._buffers, grads)
+        if backend.backend() == "torch":
+            import torch
+
+            with torch.no_grad():
+                torch._foreach_add_([b.value for b in self._buffers], grads)
+        else:
+            for buffer, grad in zip(self._buffers, grads):
+                self.assign_add(buffer, grad)
         self._iterations.assign_add(1)

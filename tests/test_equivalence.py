@@ -94,20 +94,66 @@ def test_custom_loop_equals_parent_and_holds_still_inside_window(
     assert_same_state(ours, parent_model, our_model, parent)
 
 
-def test_accumulators_hold_the_running_sum_and_reset_after_update():
+def test_accumulators_hold_the_running_sum_and_restart_after_update():
+    """Within a window the accumulators hold the running sum of the
+    gradients; after the update the next window starts from zero (JAX
+    overwrites instead of zeroing, so the restart is checked by the first
+    micro-step of the next window, and by what is saved in between)."""
     model = small_model(0)
     x, y = regression_data(0, 6)
     optimizer = SGDAccumulate(accum_iters=3)
-    expected = [np.zeros(v.shape, "float32") for v in model.trainable_variables]
-    for i in range(2):
-        grads = gradients(model, x[i : i + 1], y[i : i + 1])
-        optimizer.apply(grads, model.trainable_variables)
-        expected = [e + g for e, g in zip(expected, numpy_values(grads))]
+
+    def assert_accumulators(expected):
         for accumulator, total in zip(optimizer._accumulators, expected):
             np.testing.assert_allclose(
                 keras.ops.convert_to_numpy(accumulator), total, rtol=1e-6
             )
-    grads = gradients(model, x[2:3], y[2:3])
+
+    expected = [np.zeros(v.shape, "float32") for v in model.trainable_variables]
+    for i in range(3):
+        grads = gradients(model, x[i : i + 1], y[i : i + 1])
+        optimizer.apply(grads, model.trainable_variables)
+        expected = [e + g for e, g in zip(expected, numpy_values(grads))]
+        if i < 2:
+            assert_accumulators(expected)
+    assert int(optimizer.micro_steps) == 0
+    store = {}
+    optimizer.save_own_variables(store)
+    accumulators = {id(a) for a in optimizer._accumulators}
+    for i, variable in enumerate(optimizer.variables):
+        if id(variable) in accumulators:
+            assert not np.any(store[str(i)])
+    grads = gradients(model, x[3:4], y[3:4])
     optimizer.apply(grads, model.trainable_variables)
-    for accumulator in optimizer._accumulators:
-        assert not np.any(keras.ops.convert_to_numpy(accumulator))
+    assert_accumulators(numpy_values(grads))
+
+
+def test_a_missing_gradient_adds_zero_and_starts_no_stale_window():
+    """A `None` gradient counts as zero in its window: oracle, the parent
+    on the window's mean with zeros in place of the missing gradients."""
+    rng = np.random.default_rng(0)
+    grads_a = [rng.normal(size=3).astype("float32") for _ in range(4)]
+    grads_b = [rng.normal(size=2).astype("float32") for _ in range(4)]
+    grads_b[2] = None  # b has no gradient on the first step of window 2
+
+    ours_vars = [keras.Variable(np.ones(3)), keras.Variable(np.ones(2))]
+    ours = SGDAccumulate(learning_rate=0.1, accum_iters=2)
+    tensor = keras.ops.convert_to_tensor
+    for a, b in zip(grads_a, grads_b):
+        ours.apply([tensor(a), None if b is None else tensor(b)], ours_vars)
+
+    parent_vars = [keras.Variable(np.ones(3)), keras.Variable(np.ones(2))]
+    parent = keras.optimizers.SGD(learning_rate=0.1)
+    for window in (slice(0, 2), slice(2, 4)):
+        mean_a = np.mean(grads_a[window], axis=0)
+        mean_b = np.mean(
+            [np.zeros(2, "float32") if g is None else g for g in grads_b[window]],
+            axis=0,
+        )
+        parent.apply([tensor(mean_a), tensor(mean_b)], parent_vars)
+    for ours_var, parent_var in zip(ours_vars, parent_vars):
+        np.testing.assert_allclose(
+            keras.ops.convert_to_numpy(ours_var),
+            keras.ops.convert_to_numpy(parent_var),
+            rtol=1e-6,
+        )

@@ -81,9 +81,9 @@ def test_compiled_custom_loop_equals_parent_big_batch():
 
 
 @pytest.mark.backends("jax")
-def test_jax_update_math_runs_inside_the_cond_branch():
-    """The jitted step holds one `cond` whose taken branch carries the whole
-    update; the accumulating branch is a pass-through."""
+def test_jax_update_math_runs_inside_the_gate_loop():
+    """The jitted step holds one `while` (zero trips or one) whose body
+    carries the whole update; outside it only the adds and the counters."""
     import jax
 
     model = small_model(0)
@@ -95,11 +95,11 @@ def test_jax_update_math_runs_inside_the_cond_branch():
         grads,
         [v.value for v in model.trainable_variables],
     )
-    conds = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
-    assert len(conds) == 1
-    branches = conds[0].params["branches"]
-    sizes = sorted(len(branch.jaxpr.eqns) for branch in branches)
-    assert sizes[0] == 0  # accumulate-only micro-step: nothing to compute
-    assert sizes[1] > 20  # the update: Adam's math for every variable
-    # Outside the cond: only the accumulation adds and the counter logic.
+    primitives = [e.primitive.name for e in jaxpr.eqns]
+    assert "cond" not in primitives
+    loops = [e for e in jaxpr.eqns if e.primitive.name == "while"]
+    assert len(loops) == 1
+    # The loop's condition is its carried flag alone; the body is the update.
+    assert len(loops[0].params["cond_jaxpr"].jaxpr.eqns) == 0
+    assert len(loops[0].params["body_jaxpr"].jaxpr.eqns) > 20
     assert len(jaxpr.eqns) < 6 * len(grads) + 20

@@ -133,8 +133,8 @@ def test_non_finite_micro_step_is_dropped_without_poisoning_the_window():
             )
     assert int(inner.iterations) == 1
     assert int(inner.micro_batches_seen) == 4
-    # rtol: on JAX our update runs compiled inside `lax.cond`, the reference
-    # eagerly; XLA's fused float32 arithmetic differs by a few ulps.
+    # rtol: on JAX our update runs compiled inside `lax.while_loop`, the
+    # reference eagerly; XLA's fused float32 arithmetic differs by a few ulps.
     np.testing.assert_allclose(
         ops.convert_to_numpy(variable.value),
         ops.convert_to_numpy(reference.value),

@@ -10,12 +10,16 @@ Each backend module exposes the same six names:
   optimizer variables created in it with the model `variable` (under a
   `tf.distribute` strategy; a no-op elsewhere).
 - `add_into(optimizer, accumulators, grads)`: `accumulator += grad`, for
-  each pair, on the cheapest path the backend has.
+  each pair, on the cheapest path the backend has; a `None` grad adds
+  nothing. On the first micro-step of a window it must leave each
+  accumulator holding that micro-step's gradient (or zeros) even where
+  `end_window` left the previous window's sums in it.
 - `sum_over_replicas(variables)`: the values of `variables` summed over
   the replicas of a `tf.distribute` strategy, in replica context; their
   values elsewhere (a keras.distribution program sees global arrays).
-- `zero(variables)`: sets every variable to zeros, in place where the
-  backend can.
+- `end_window(optimizer)`: starts a new window: sets the micro-step
+  counter to zero and, where it costs nothing extra (in place), the
+  accumulators too; JAX leaves them for `add_into` to overwrite.
 - `run_if(optimizer, pred, fn)`: run `fn()` (which assigns optimizer and
   model variables) only when the scalar boolean `pred` is true, without
   computing `fn`'s math when it is false, in eager and in compiled code.
@@ -27,24 +31,24 @@ _name = backend.backend()
 if _name == "tensorflow":
     from accum_optimizers._backend.tensorflow import add_into
     from accum_optimizers._backend.tensorflow import colocate_with
+    from accum_optimizers._backend.tensorflow import end_window
     from accum_optimizers._backend.tensorflow import fused_parent
     from accum_optimizers._backend.tensorflow import run_if
     from accum_optimizers._backend.tensorflow import sum_over_replicas
-    from accum_optimizers._backend.tensorflow import zero
 elif _name == "jax":
     from accum_optimizers._backend.jax import add_into
     from accum_optimizers._backend.jax import colocate_with
+    from accum_optimizers._backend.jax import end_window
     from accum_optimizers._backend.jax import fused_parent
     from accum_optimizers._backend.jax import run_if
     from accum_optimizers._backend.jax import sum_over_replicas
-    from accum_optimizers._backend.jax import zero
 elif _name == "torch":
     from accum_optimizers._backend.torch import add_into
     from accum_optimizers._backend.torch import colocate_with
+    from accum_optimizers._backend.torch import end_window
     from accum_optimizers._backend.torch import fused_parent
     from accum_optimizers._backend.torch import run_if
     from accum_optimizers._backend.torch import sum_over_replicas
-    from accum_optimizers._backend.torch import zero
 else:
     raise ImportError(
         "accum_optimizers supports the Keras backends 'tensorflow', 'jax' "
@@ -54,8 +58,8 @@ else:
 __all__ = [
     "add_into",
     "colocate_with",
+    "end_window",
     "fused_parent",
     "run_if",
     "sum_over_replicas",
-    "zero",
 ]

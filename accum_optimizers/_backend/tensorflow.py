@@ -43,7 +43,8 @@ def add_into(optimizer, accumulators, grads):
     # `optimizer.assign_add` scatters `tf.IndexedSlices` (embedding
     # gradients) instead of densifying them.
     for accumulator, grad in zip(accumulators, grads):
-        optimizer.assign_add(accumulator, grad)
+        if grad is not None:
+            optimizer.assign_add(accumulator, grad)
 
 
 def sum_over_replicas(variables):
@@ -65,8 +66,8 @@ def sum_over_replicas(variables):
     return replica_context.all_reduce(tf.distribute.ReduceOp.SUM, values)
 
 
-def zero(variables):
-    for variable in variables:
+def end_window(optimizer):
+    for variable in optimizer._accumulators + [optimizer._micro_steps]:
         variable.assign(ops.zeros(variable.shape, variable.dtype))
 
 

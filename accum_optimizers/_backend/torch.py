@@ -28,10 +28,11 @@ def colocate_with(optimizer, variable):
 
 @torch.no_grad()
 def add_into(optimizer, accumulators, grads):
-    targets = [accumulator.value for accumulator in accumulators]
+    pairs = [(a, g) for a, g in zip(accumulators, grads) if g is not None]
+    targets = [accumulator.value for accumulator, _ in pairs]
     sources = [
         torch.as_tensor(grad, dtype=target.dtype, device=target.device)
-        for grad, target in zip(grads, targets)
+        for (_, grad), target in zip(pairs, targets)
     ]
     torch._foreach_add_(targets, sources)
 
@@ -41,7 +42,8 @@ def sum_over_replicas(variables):
 
 
 @torch.no_grad()
-def zero(variables):
+def end_window(optimizer):
+    variables = optimizer._accumulators + [optimizer._micro_steps]
     torch._foreach_zero_([variable.value for variable in variables])
 
 
