@@ -146,9 +146,9 @@ def test_a_missing_gradient_adds_zero_and_starts_no_stale_window():
     parent = keras.optimizers.SGD(learning_rate=0.1)
     for window in (slice(0, 2), slice(2, 4)):
         mean_a = np.mean(grads_a[window], axis=0)
+        zero = np.zeros(2, "float32")
         mean_b = np.mean(
-            [np.zeros(2, "float32") if g is None else g for g in grads_b[window]],
-            axis=0,
+            [zero if g is None else g for g in grads_b[window]], axis=0
         )
         parent.apply([tensor(mean_a), tensor(mean_b)], parent_vars)
     for ours_var, parent_var in zip(ours_vars, parent_vars):
