@@ -89,14 +89,18 @@ def main(argv=None):
     parser.add_argument(
         "--jit", action=argparse.BooleanOptionalAction, default=True
     )
+    parser.add_argument("--calls", type=int, default=300)
     args = parser.parse_args(argv)
-    print(f"jit_compile={args.jit}; ms per step (median of 5 x 300 calls)")
+    print(
+        f"jit_compile={args.jit}; ms per step "
+        f"(median of 5 x {args.calls} calls)"
+    )
     print("| gate | not taken | taken |")
     print("|---|---|---|")
     for gate in GATES:
         step = make_step(gate, args.jit)
-        skipped = milliseconds(step, False)
-        taken = milliseconds(step, True)
+        skipped = milliseconds(step, False, args.calls)
+        taken = milliseconds(step, True, args.calls)
         print(f"| {gate} | {skipped:.2f} | {taken:.2f} |", flush=True)
 
 

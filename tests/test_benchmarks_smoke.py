@@ -1,7 +1,9 @@
-"""The benchmark command, in smoke mode, on the current backend.
+"""The benchmark command, in smoke mode, and the profile scripts, on the
+current backend.
 
-Only checks that the command runs and writes its JSON, markdown table and
-chart with every configuration; timing ratios are never asserted in tests.
+Only checks that they run and write their JSON, markdown table and chart
+(the profiles: print their table); timing ratios are never asserted in
+tests.
 """
 
 import json
@@ -46,3 +48,36 @@ def test_benchmark_smoke_run_writes_json_table_and_chart(tmp_path):
     for column in ("ours4/parent", "ours4/keras", "ours4/ceiling", "state"):
         assert column in table
     assert (tmp_path / "results.png").stat().st_size > 1000
+
+
+PROFILES = [
+    pytest.param(
+        ["benchmarks.xla_gate", "--calls", "2"],
+        marks=pytest.mark.backends("tensorflow"),
+        id="xla_gate",
+    ),
+    pytest.param(
+        ["benchmarks.jax_gate", "--calls", "2"],
+        marks=pytest.mark.backends("jax"),
+        id="jax_gate",
+    ),
+    pytest.param(
+        ["benchmarks.window_steps", "--windows", "2"],
+        marks=pytest.mark.backends("jax"),
+        id="window_steps",
+    ),
+]
+
+
+@pytest.mark.parametrize("command", PROFILES)
+def test_profile_scripts_run_and_print_their_table(command):
+    result = subprocess.run(
+        [sys.executable, "-m", *command],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line[:2] == "| "]
+    assert len(rows) >= 5  # the header and one row per gate or configuration

@@ -74,10 +74,11 @@ def run_if(optimizer, pred, fn):
             fn()
         return [scope.get_current_value(v) for v in state]
 
+    # Zero trips or one: the carried flag is `pred`, and the body clears it.
     _, values = jax.lax.while_loop(
         lambda carry: carry[0],
-        lambda carry: (jax.numpy.asarray(False), taken(carry[1])),
-        (jax.numpy.asarray(pred, bool), [v.value for v in state]),
+        lambda carry: (jnp.asarray(False), taken(carry[1])),
+        (jnp.asarray(pred, bool), [v.value for v in state]),
     )
     for variable, value in zip(state, values):
         variable.assign(value)
