@@ -1,5 +1,12 @@
 """TensorFlow pieces of the accumulation mechanism (see `__init__`).
 
+The window's end zeroes only the counter; the next window's first micro-step
+overwrites the accumulators. Without XLA that is `accumulator.assign(grad)`,
+which hands the gradient's buffer to the variable, where zeroing had
+`assign(zeros)` give it a fresh buffer that made the next `assign_add` cost
+0.23 ms more (MLP, SGD, `tf.function`: mean `apply` 1.37 -> 1.22 ms, Keras'
+built-in 1.32). Under XLA it is one `where` fused into the add, as on JAX.
+
 Two TensorFlow specifics shape `run_if`:
 
 - Without a strategy, the gate is a `tf.while_loop` that runs zero times or
@@ -24,6 +31,7 @@ import contextlib
 
 import tensorflow as tf
 from keras import ops
+from tensorflow.python.ops import control_flow_util
 
 
 def fused_parent(parent):
@@ -40,11 +48,48 @@ def colocate_with(optimizer, variable):
 
 
 def add_into(optimizer, accumulators, grads):
-    # `optimizer.assign_add` scatters `tf.IndexedSlices` (embedding
-    # gradients) instead of densifying them.
-    for accumulator, grad in zip(accumulators, grads):
-        if grad is not None:
-            optimizer.assign_add(accumulator, grad)
+    new_window = tf.equal(optimizer._micro_steps.value, 0)
+    if _in_xla_context():
+        for accumulator, grad in zip(accumulators, grads):
+            if grad is None:
+                grad = tf.zeros_like(accumulator.value)
+                total = accumulator.value
+            else:
+                grad = tf.cast(tf.convert_to_tensor(grad), accumulator.dtype)
+                total = accumulator.value + grad
+            accumulator.assign(tf.where(new_window, grad, total))
+        return
+
+    def overwrite():
+        for accumulator, grad in zip(accumulators, grads):
+            if grad is None or isinstance(grad, tf.IndexedSlices):
+                accumulator.assign(tf.zeros_like(accumulator.value))
+            if grad is None:
+                continue
+            if isinstance(grad, tf.IndexedSlices):
+                optimizer.assign_add(accumulator, grad)
+            else:
+                accumulator.assign(grad)
+        return tf.constant(True)
+
+    def add():
+        # `optimizer.assign_add` scatters `tf.IndexedSlices` (embedding
+        # gradients) instead of densifying them.
+        for accumulator, grad in zip(accumulators, grads):
+            if grad is not None:
+                optimizer.assign_add(accumulator, grad)
+        return tf.constant(False)
+
+    if tf.executing_eagerly():
+        overwrite() if bool(new_window) else add()
+    else:
+        tf.cond(new_window, overwrite, add)
+
+
+def _in_xla_context():
+    return control_flow_util.GraphOrParentsInXlaContext(
+        tf.compat.v1.get_default_graph()
+    )
 
 
 def sum_over_replicas(variables):
@@ -67,8 +112,8 @@ def sum_over_replicas(variables):
 
 
 def end_window(optimizer):
-    for variable in optimizer._accumulators + [optimizer._micro_steps]:
-        variable.assign(ops.zeros(variable.shape, variable.dtype))
+    micro_steps = optimizer._micro_steps
+    micro_steps.assign(ops.zeros(micro_steps.shape, micro_steps.dtype))
 
 
 def run_if(optimizer, pred, fn):
