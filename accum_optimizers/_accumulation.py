@@ -378,7 +378,7 @@ class GradientAccumulation:
     def save_own_variables(self, store):
         if self.accum_iters == 1 or not self.built:
             return super().save_own_variables(store)
-        # Between windows the JAX backend leaves the last window's sums in
+        # Between windows TensorFlow and JAX leave the last window's sums in
         # the accumulators (the next micro-step overwrites them); save the
         # empty window they stand for.
         between_windows = int(ops.convert_to_numpy(self._micro_steps)) == 0

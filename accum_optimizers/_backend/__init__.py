@@ -18,8 +18,9 @@ Each backend module exposes the same six names:
   the replicas of a `tf.distribute` strategy, in replica context; their
   values elsewhere (a keras.distribution program sees global arrays).
 - `end_window(optimizer)`: starts a new window: sets the micro-step
-  counter to zero and, where it costs nothing extra (in place), the
-  accumulators too; JAX leaves them for `add_into` to overwrite.
+  counter to zero and, on torch (in place, `_foreach_zero_`), the
+  accumulators too; TensorFlow and JAX leave them for `add_into` to
+  overwrite, which is cheaper there.
 - `run_if(optimizer, pred, fn)`: run `fn()` (which assigns optimizer and
   model variables) only when the scalar boolean `pred` is true, without
   computing `fn`'s math when it is false, in eager and in compiled code.
