@@ -97,8 +97,9 @@ def test_custom_loop_equals_parent_and_holds_still_inside_window(
 def test_accumulators_hold_the_running_sum_and_restart_after_update():
     """Within a window the accumulators hold the running sum of the
     gradients; after the update the next window starts from zero
-    (TensorFlow and JAX overwrite instead of zeroing, so the restart is checked by the first
-    micro-step of the next window, and by what is saved in between)."""
+    (TensorFlow and JAX overwrite instead of zeroing, so the restart is
+    checked by the first micro-step of the next window, and by what is saved
+    in between)."""
     model = small_model(0)
     x, y = regression_data(0, 6)
     optimizer = SGDAccumulate(accum_iters=3)
