@@ -22,9 +22,9 @@ Each call reads
 
 The `if` is a real branch on every backend (a `tf.while_loop` or
 `jax.lax.while_loop` that runs zero times or once, a Python `if` on torch),
-so the accumulating micro-steps never run the update
-math. With `accum_iters=1` the optimizer is the parent optimizer: no extra
-variables and the parent's own code path.
+so the accumulating micro-steps never run the update math. With
+`accum_iters=1` the optimizer is the parent optimizer: no extra variables
+and the parent's own code path.
 """
 
 import inspect

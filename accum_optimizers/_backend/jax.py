@@ -17,10 +17,11 @@ benchmarks.jax_gate` (four 1.3 M-float arrays, donated state, ms, not taken
 
 The window's end does not zero the accumulators: writing zeros into arrays
 the loop body also reads makes XLA copy each of them first, which cost as
-much as the update (MLP, Adam: the window's last micro-step took 3.7 ms
+much as the update (MLP, Adam: the window's last micro-step took 4.0 ms
 against the parent's 3.0). `end_window` zeroes the counter only, and
 `add_into` overwrites on the first micro-step of the next window (a select
-in the same elementwise pass as the add): 3.0 ms. Between windows the
+in the same elementwise pass as the add): 3.1 ms (`python -m
+benchmarks.window_steps`). Between windows the
 accumulators therefore hold the last window's sums; the optimizer saves
 them as the zeros they stand for.
 """

@@ -50,6 +50,7 @@ def colocate_with(optimizer, variable):
 def add_into(optimizer, accumulators, grads):
     new_window = tf.equal(optimizer._micro_steps.value, 0)
     if _in_xla_context():
+        # One select fused into the add; XLA densifies `IndexedSlices`.
         for accumulator, grad in zip(accumulators, grads):
             if grad is None:
                 grad = tf.zeros_like(accumulator.value)
@@ -80,10 +81,12 @@ def add_into(optimizer, accumulators, grads):
                 optimizer.assign_add(accumulator, grad)
         return tf.constant(False)
 
-    if tf.executing_eagerly():
-        overwrite() if bool(new_window) else add()
-    else:
+    if not tf.executing_eagerly():
         tf.cond(new_window, overwrite, add)
+    elif bool(new_window):
+        overwrite()
+    else:
+        add()
 
 
 def _in_xla_context():
