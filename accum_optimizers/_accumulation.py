@@ -11,20 +11,23 @@ EMA see the same step numbers as a run with a k times larger batch.
 
 Each call reads
 
-    counter -> update_switch -> blend and apply:
+    counter -> update_switch -> accumulate, or blend and apply:
 
-    accumulators += grads                       (every micro-step)
     micro_steps += 1
     update_switch = micro_steps >= accum_iters
     if update_switch:                           (once per window)
-        parent.apply(accumulators / micro_steps)
-        accumulators, micro_steps = 0, 0
+        parent.apply((accumulators + grads) / micro_steps)
+        micro_steps = 0
+    else:                                       (the other micro-steps)
+        accumulators += grads
 
-The `if` is a real branch on every backend (a `tf.while_loop` or
-`jax.lax.while_loop` that runs zero times or once, a Python `if` on torch),
-so the accumulating micro-steps never run the update math. With
-`accum_iters=1` the optimizer is the parent optimizer: no extra variables
-and the parent's own code path.
+The `if` is a real branch on every backend (a `tf.cond` in a TensorFlow
+graph, a `jax.lax.while_loop` that runs zero times or once, a Python `if`
+on torch), so the accumulating micro-steps never run the update math. How
+each backend arranges the add and the branch, and how it starts the next
+window without a pass that zeroes the accumulators where it can, is in
+`_backend`. With `accum_iters=1` the optimizer is the parent optimizer: no
+extra variables and the parent's own code path.
 """
 
 import inspect
@@ -278,21 +281,21 @@ class GradientAccumulation:
         has_gradient = [g is not None for g in grads]
         with keras.name_scope(self.name, caller=self):
             # counter: one more micro-batch in the window.
-            _backend.add_into(
-                self,
-                [self._accumulator_for(v) for v in trainable_variables],
-                grads,
-            )
             micro_steps = self._micro_steps + 1
             self._micro_steps.assign(micro_steps)
             self._micro_batches.assign(self._micro_batches + 1)
             # update_switch: the window is full.
             update_switch = ops.greater_equal(micro_steps, self.accum_iters)
-            # blend and apply, on the window's last micro-step only.
-            _backend.run_if(
+            # accumulate, or blend and apply on the window's last micro-step.
+            _backend.accumulate(
                 self,
+                [self._accumulator_for(v) for v in trainable_variables],
+                grads,
+                micro_steps,
                 update_switch,
-                lambda: self._apply_window(has_gradient, trainable_variables),
+                lambda totals: self._apply_window(
+                    totals, micro_steps, has_gradient, trainable_variables
+                ),
             )
 
     def flush(self):
@@ -313,41 +316,43 @@ class GradientAccumulation:
             self,
             ops.greater(self._micro_steps.value, 0),
             lambda: self._apply_window(
-                [True] * len(trainable_variables), trainable_variables
+                [a.value for a in self._accumulators],
+                self._micro_steps.value,
+                [True] * len(trainable_variables),
+                trainable_variables,
             ),
         )
 
-    def _apply_window(self, has_gradient, trainable_variables):
-        """Applies the mean of the accumulated gradients, then resets them.
+    def _apply_window(self, totals, micro_steps, has_gradient, variables):
+        """Applies the mean of a window's gradients, then starts a new one.
 
-        Under `tf.distribute` the replicas' accumulators are summed here,
-        once per window, so that clipping and the update see the global mean
+        Args:
+            totals: the sum of the window's gradients, one per variable of
+                `variables` (on torch: the accumulators themselves, which
+                the mean may overwrite).
+            micro_steps: scalar integer tensor, the window's micro-batches.
+            has_gradient: one bool per variable: whether the call that
+                closes the window had a gradient for it. Variables without
+                one get `None`, and the parent optimizer skips them, as it
+                would; what the window had summed for them is dropped.
+            variables: the trainable variables, in the order of `totals`.
+
+        Under `tf.distribute` the replicas' totals are summed here, once per
+        window, so that clipping and the update see the global mean
         gradient, as on one device with the global batch (Keras' own
         optimizers clip each replica's share before summing).
-
-        Variables whose gradient is `None` in the call that closes the window
-        get `None`, and the parent optimizer skips them, as it would.
         """
-        micro_steps = self._micro_steps.value
-        present = [
-            variable
-            for variable, has in zip(trainable_variables, has_gradient)
-            if has
-        ]
-        sums = iter(
-            _backend.sum_over_replicas(
-                [self._accumulator_for(v) for v in present]
+        present = [t for t, has in zip(totals, has_gradient) if has]
+        means = iter(
+            _backend.window_mean(
+                _backend.sum_over_replicas(present), micro_steps
             )
         )
-        grads = []
-        for has, variable in zip(has_gradient, trainable_variables):
-            if not has:
-                grads.append(None)
-                continue
-            total = next(sums)
-            mean = ops.divide(total, ops.cast(micro_steps, total.dtype))
-            grads.append(ops.cast(mean, variable.dtype))
-        super().apply(grads, trainable_variables)
+        grads = [
+            ops.cast(next(means), variable.dtype) if has else None
+            for has, variable in zip(has_gradient, variables)
+        ]
+        super().apply(grads, variables)
         _backend.end_window(self)
 
     def _all_reduce_sum_gradients(self, grads_and_vars):

@@ -19,11 +19,11 @@ The window's end does not zero the accumulators: writing zeros into arrays
 the loop body also reads makes XLA copy each of them first, which cost as
 much as the update (MLP, Adam: the window's last micro-step took 4.0 ms
 against the parent's 3.0). `end_window` zeroes the counter only, and
-`add_into` overwrites on the first micro-step of the next window (a select
-in the same elementwise pass as the add): 3.1 ms (`python -m
-benchmarks.window_steps`). Between windows the
-accumulators therefore hold the last window's sums; the optimizer saves
-them as the zeros they stand for.
+the next window's first micro-step overwrites them (a select in the same
+elementwise pass as the add): 3.1 ms (`python -m benchmarks.window_steps`).
+Between windows the accumulators therefore hold the last window's sums; the
+optimizer saves them as the zeros they stand for. The add runs on every
+micro-step, before the gate, fused by XLA with the window's mean.
 """
 
 import contextlib
@@ -42,8 +42,18 @@ def colocate_with(optimizer, variable):
     return contextlib.nullcontext()
 
 
-def add_into(optimizer, accumulators, grads):
-    new_window = optimizer._micro_steps.value == 0
+def accumulate(
+    optimizer, accumulators, grads, micro_steps, update_switch, apply_window
+):
+    _add_into(accumulators, grads, new_window=micro_steps == 1)
+    run_if(
+        optimizer,
+        update_switch,
+        lambda: apply_window([a.value for a in accumulators]),
+    )
+
+
+def _add_into(accumulators, grads, new_window):
     for accumulator, grad in zip(accumulators, grads):
         if grad is None:
             grad = jnp.zeros(accumulator.shape, accumulator.dtype)
@@ -54,8 +64,12 @@ def add_into(optimizer, accumulators, grads):
         accumulator.assign(jnp.where(new_window, grad, total))
 
 
-def sum_over_replicas(variables):
-    return [variable.value for variable in variables]
+def sum_over_replicas(values):
+    return values
+
+
+def window_mean(totals, micro_steps):
+    return [ops.divide(t, ops.cast(micro_steps, t.dtype)) for t in totals]
 
 
 def end_window(optimizer):

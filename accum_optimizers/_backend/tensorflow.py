@@ -1,30 +1,39 @@
 """TensorFlow pieces of the accumulation mechanism (see `__init__`).
 
+How a micro-step is arranged depends on how the graph runs:
+
+- In a plain graph (`tf.function` without XLA, and a strategy that needs no
+  `merge_call`), one `tf.cond(update_switch, window, add)`: the window's last
+  micro-step applies `(accumulators + grads) / micro_steps` without writing
+  the accumulators, the others add into them. Each variable's update then
+  waits only for its own gradient, so the executor overlaps it with the rest
+  of the backward pass, as it does for the parent optimizer; adding first
+  and gating after made the update wait for every add (MLP, RMSprop, the
+  window's last micro-step: 5.39 ms against 5.93, Keras' built-in 5.50,
+  `python -m benchmarks.window_steps`).
+- Under XLA (`jit_compile=True`), add on every micro-step, then a gate that
+  is a `tf.while_loop` running zero times or once, not a `tf.cond`: a
+  conditional whose branch writes variables copies every variable it
+  touches on every call, taken or not (measured: 1.9 ms per call for four
+  1.3 M-float variables, more than the Adam update it skips); the loop
+  updates them in place and its not-taken path costs what an add-only step
+  costs.
+- Under a `tf.distribute` strategy that synchronizes replicas with
+  `merge_call` (every strategy on CPU, and without XLA on GPU), the window's
+  update calls `merge_call` (Keras updates mirrored variables there), and
+  `merge_call` cannot run inside a control-flow branch built in replica
+  context (keras-team/keras#20582). There each replica adds into its own
+  replica-local accumulators, then the gate is a `tf.cond` built in
+  cross-replica context whose branch runs the window in each replica with
+  `call_for_each_replica`, as Keras' `LossScaleOptimizer` does;
+  `sum_over_replicas` all-reduces the accumulators once, inside the window.
+
 The window's end zeroes only the counter; the next window's first micro-step
 overwrites the accumulators. Without XLA that is `accumulator.assign(grad)`,
 which hands the gradient's buffer to the variable, where zeroing had
 `assign(zeros)` give it a fresh buffer that made the next `assign_add` cost
 0.23 ms more (MLP, SGD, `tf.function`: mean `apply` 1.37 -> 1.22 ms, Keras'
 built-in 1.32). Under XLA it is one `where` fused into the add, as on JAX.
-
-Two TensorFlow specifics shape `run_if`:
-
-- Without a strategy, the gate is a `tf.while_loop` that runs zero times or
-  once, not a `tf.cond`. Under XLA (`jit_compile=True`) a conditional whose
-  branch writes variables copies every variable it touches on every call,
-  taken or not (measured: 1.9 ms per call for four 1.3 M-float variables,
-  more than the Adam update it skips); the loop updates them in place and
-  its not-taken path costs what an add-only step costs. Without XLA the two
-  cost the same.
-- Under a `tf.distribute` strategy that synchronizes replicas with
-  `merge_call` (every strategy on CPU, and without XLA on GPU), the window's
-  update calls `merge_call` (Keras updates mirrored variables there), and
-  `merge_call` cannot run inside a control-flow branch built in replica
-  context (keras-team/keras#20582). The gate is then a `tf.cond` built in
-  cross-replica context whose branch runs the window in each replica with
-  `call_for_each_replica`, as Keras' `LossScaleOptimizer` does. The
-  accumulators are replica-local; `sum_over_replicas` all-reduces them once,
-  inside the window.
 """
 
 import contextlib
@@ -47,8 +56,54 @@ def colocate_with(optimizer, variable):
     )
 
 
-def add_into(optimizer, accumulators, grads):
-    new_window = tf.equal(optimizer._micro_steps.value, 0)
+def accumulate(
+    optimizer, accumulators, grads, micro_steps, update_switch, apply_window
+):
+    new_window = tf.equal(micro_steps, 1)
+    if _in_xla_context() or _needs_merge_call():
+        # Add, then the gate (see the module docstring).
+        _add_into(optimizer, accumulators, grads, new_window)
+        run_if(
+            optimizer,
+            update_switch,
+            lambda: apply_window([a.value for a in accumulators]),
+        )
+        return
+
+    # One branch: the window's last micro-step applies accumulators + grads
+    # without writing them, the others add.
+    def window():
+        apply_window(
+            [_plus(a.value, grad) for a, grad in zip(accumulators, grads)]
+        )
+        return tf.constant(True)
+
+    def add():
+        _add_into(optimizer, accumulators, grads, new_window)
+        return tf.constant(False)
+
+    if not tf.executing_eagerly():
+        tf.cond(update_switch, window, add)
+    elif bool(update_switch):
+        window()
+    else:
+        add()
+
+
+def _plus(total, grad):
+    if grad is None:
+        return total
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.tensor_scatter_nd_add(
+            total,
+            tf.expand_dims(grad.indices, -1),
+            tf.cast(grad.values, total.dtype),
+        )
+    return total + tf.cast(grad, total.dtype)
+
+
+def _add_into(optimizer, accumulators, grads, new_window):
+    """`accumulator += grad`, or `= grad` on a window's first micro-step."""
     if _in_xla_context():
         # One select fused into the add; XLA densifies `IndexedSlices`.
         for accumulator, grad in zip(accumulators, grads):
@@ -95,23 +150,27 @@ def _in_xla_context():
     )
 
 
-def sum_over_replicas(variables):
-    """The values of `variables`, summed over the replicas of a strategy."""
+def sum_over_replicas(values):
+    """`values`, summed over the replicas of a strategy."""
     replica_context = tf.distribute.get_replica_context()
     if (
-        not variables
+        not values
         or replica_context is None
         or replica_context.num_replicas_in_sync == 1
     ):
-        return [variable.value for variable in variables]
-    values = []
-    for variable in variables:
+        return values
+    pinned = []
+    for value in values:
         # Pin each value to its replica's device: inside a control-flow
         # branch, MultiWorkerMirroredStrategy leaves ops without one, and
         # the all-reduce needs it.
-        with tf.device(variable.value.device):
-            values.append(tf.identity(variable.value))
-    return replica_context.all_reduce(tf.distribute.ReduceOp.SUM, values)
+        with tf.device(value.device):
+            pinned.append(tf.identity(value))
+    return replica_context.all_reduce(tf.distribute.ReduceOp.SUM, pinned)
+
+
+def window_mean(totals, micro_steps):
+    return [ops.divide(t, ops.cast(micro_steps, t.dtype)) for t in totals]
 
 
 def end_window(optimizer):
@@ -124,14 +183,10 @@ def run_if(optimizer, pred, fn):
         if bool(pred):
             fn()
         return
-    replica_context = tf.distribute.get_replica_context()
-    if (
-        not tf.distribute.has_strategy()
-        or replica_context is None
-        or tf.__internal__.distribute.strategy_supports_no_merge_call()
-    ):
+    if not _needs_merge_call():
         _run_at_most_once(pred, fn)
         return
+    replica_context = tf.distribute.get_replica_context()
 
     def in_cross_replica_context(distribution, pred):
         # Every replica counted the same micro-steps: take the first's.
@@ -144,6 +199,15 @@ def run_if(optimizer, pred, fn):
         tf.cond(first_pred, run, lambda: tf.constant(False))
 
     replica_context.merge_call(in_cross_replica_context, args=(pred,))
+
+
+def _needs_merge_call():
+    """Whether Keras' update will call `merge_call` (see the docstring)."""
+    return (
+        tf.distribute.has_strategy()
+        and tf.distribute.get_replica_context() is not None
+        and not tf.__internal__.distribute.strategy_supports_no_merge_call()
+    )
 
 
 def _run_at_most_once(pred, fn):

@@ -26,8 +26,20 @@ def colocate_with(optimizer, variable):
     return contextlib.nullcontext()
 
 
+def accumulate(
+    optimizer, accumulators, grads, micro_steps, update_switch, apply_window
+):
+    # `end_window` zeroed the accumulators: no first-micro-step case.
+    _add_into(accumulators, grads)
+    run_if(
+        optimizer,
+        update_switch,
+        lambda: apply_window([a.value for a in accumulators]),
+    )
+
+
 @torch.no_grad()
-def add_into(optimizer, accumulators, grads):
+def _add_into(accumulators, grads):
     pairs = [(a, g) for a, g in zip(accumulators, grads) if g is not None]
     targets = [accumulator.value for accumulator, _ in pairs]
     sources = [
@@ -37,8 +49,18 @@ def add_into(optimizer, accumulators, grads):
     torch._foreach_add_(targets, sources)
 
 
-def sum_over_replicas(variables):
-    return [variable.value for variable in variables]
+def sum_over_replicas(values):
+    return values
+
+
+@torch.no_grad()
+def window_mean(totals, micro_steps):
+    # In place: `totals` are the accumulators, which `end_window` zeroes
+    # next. New tensors here cost 0.4 ms per window on the MLP (and page
+    # faults), against 0.2 ms.
+    if totals:
+        torch._foreach_div_(totals, micro_steps)
+    return totals
 
 
 @torch.no_grad()
