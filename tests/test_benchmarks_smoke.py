@@ -66,6 +66,17 @@ PROFILES = [
         marks=pytest.mark.backends("jax"),
         id="window_steps",
     ),
+    pytest.param(
+        ["benchmarks.window_steps", "--windows", "2", "--optimizers", "adam"],
+        marks=pytest.mark.backends("tensorflow", "torch"),
+        id="window_steps-adam",
+    ),
+    pytest.param(
+        ["benchmarks.window_steps", "--windows", "2", "--optimizers", "adam"]
+        + ["--xla"],
+        marks=pytest.mark.backends("tensorflow"),
+        id="window_steps-adam-xla",
+    ),
 ]
 
 
