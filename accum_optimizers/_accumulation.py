@@ -22,12 +22,13 @@ Each call reads
         accumulators += grads
 
 The `if` is a real branch on every backend (a `tf.cond` in a TensorFlow
-graph, a `jax.lax.while_loop` that runs zero times or once, a Python `if`
-on torch), so the accumulating micro-steps never run the update math. How
-each backend arranges the add and the branch, and how it starts the next
-window without a pass that zeroes the accumulators where it can, is in
-`_backend`. With `accum_iters=1` the optimizer is the parent optimizer: no
-extra variables and the parent's own code path.
+graph, a `tf.while_loop` or `jax.lax.while_loop` that runs zero times or
+once under XLA, a Python `if` on torch and eagerly), so the accumulating
+micro-steps never run the update math. How each backend arranges the add
+and the branch, and how it starts the next window without a pass that
+zeroes the accumulators where it can, is in `_backend`. With
+`accum_iters=1` the optimizer is the parent optimizer: no extra variables
+and the parent's own code path.
 """
 
 import inspect
@@ -294,7 +295,7 @@ class GradientAccumulation:
                 micro_steps,
                 update_switch,
                 lambda totals: self._apply_window(
-                    totals, micro_steps, has_gradient, trainable_variables
+                    totals, has_gradient, trainable_variables
                 ),
             )
 
@@ -317,20 +318,18 @@ class GradientAccumulation:
             ops.greater(self._micro_steps.value, 0),
             lambda: self._apply_window(
                 [a.value for a in self._accumulators],
-                self._micro_steps.value,
                 [True] * len(trainable_variables),
                 trainable_variables,
             ),
         )
 
-    def _apply_window(self, totals, micro_steps, has_gradient, variables):
+    def _apply_window(self, totals, has_gradient, variables):
         """Applies the mean of a window's gradients, then starts a new one.
 
         Args:
             totals: the sum of the window's gradients, one per variable of
                 `variables` (on torch: the accumulators themselves, which
                 the mean may overwrite).
-            micro_steps: scalar integer tensor, the window's micro-batches.
             has_gradient: one bool per variable: whether the call that
                 closes the window had a gradient for it. Variables without
                 one get `None`, and the parent optimizer skips them, as it
@@ -341,7 +340,13 @@ class GradientAccumulation:
         window, so that clipping and the update see the global mean
         gradient, as on one device with the global batch (Keras' own
         optimizers clip each replica's share before summing).
+
+        The divisor is read from the counter variable here, not taken from
+        the tensor `apply` computed: captured into TensorFlow's XLA loop,
+        that tensor made every accumulating micro-step 0.7 ms slower (MLP,
+        RMSprop, `python -m benchmarks.window_steps --xla`).
         """
+        micro_steps = self._micro_steps.value
         present = [t for t, has in zip(totals, has_gradient) if has]
         means = iter(
             _backend.window_mean(
