@@ -82,12 +82,7 @@ def accumulate(
         _add_into(optimizer, accumulators, grads, new_window)
         return tf.constant(False)
 
-    if not tf.executing_eagerly():
-        tf.cond(update_switch, window, add)
-    elif bool(update_switch):
-        window()
-    else:
-        add()
+    _branch(update_switch, window, add)
 
 
 def _plus(total, grad):
@@ -136,12 +131,17 @@ def _add_into(optimizer, accumulators, grads, new_window):
                 optimizer.assign_add(accumulator, grad)
         return tf.constant(False)
 
+    _branch(new_window, overwrite, add)
+
+
+def _branch(pred, true_fn, false_fn):
+    """`tf.cond` in a graph, a Python `if` eagerly."""
     if not tf.executing_eagerly():
-        tf.cond(new_window, overwrite, add)
-    elif bool(new_window):
-        overwrite()
+        tf.cond(pred, true_fn, false_fn)
+    elif bool(pred):
+        true_fn()
     else:
-        add()
+        false_fn()
 
 
 def _in_xla_context():
