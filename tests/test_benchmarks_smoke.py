@@ -62,13 +62,7 @@ PROFILES = [
         id="jax_gate",
     ),
     pytest.param(
-        ["benchmarks.window_steps", "--windows", "2"],
-        marks=pytest.mark.backends("jax"),
-        id="window_steps",
-    ),
-    pytest.param(
         ["benchmarks.window_steps", "--windows", "2", "--optimizers", "adam"],
-        marks=pytest.mark.backends("tensorflow", "torch"),
         id="window_steps-adam",
     ),
     pytest.param(
