@@ -59,10 +59,10 @@ def ratio_rows(results, statistic="paired"):
 
     `rates` are each configuration's median samples/s. `statistic` says how
     a ratio is taken: `"paired"` (the headline) is the median over rounds
-    of the ratio within a round, where every configuration ran back to back;
-    this machine's rounds fall into a fast and a slow state that lasts
-    longer than a round, so pairing cancels it, where a ratio of two medians
-    depends on how many slow rounds each configuration drew. `"best"` is
+    of the ratio within a round, where every configuration ran back to back,
+    so a drift that outlasts a round (torch's speed drifts within a
+    process) cancels, where a ratio of two medians depends on how many slow
+    rounds each configuration drew. `"best"` is
     the ratio of each configuration's fastest round (the uncontended cost).
     A configuration that raised has no rate and its error in `errors`; a
     ratio over a missing or failed configuration is `None`. `bounds` holds,
@@ -241,9 +241,8 @@ def markdown(results):
     best_misses = []
     lines += [
         "",
-        "The same ratios on each configuration's fastest round (rounds on "
-        "this machine fall into a fast and a slow state; the fastest round "
-        "is the cost without interference):",
+        "The same ratios on each configuration's fastest round (the cost "
+        "with the least interference):",
         "",
         "| mode | workload | optimizer | "
         + " | ".join(name for name, *_ in RATIOS)
