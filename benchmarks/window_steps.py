@@ -10,10 +10,15 @@ Compiles Keras' own `train_step` the way `model.fit` does on the backend
 `--xla`; torch runs it eagerly), then times it call by call, by position in
 a window of 4, for the parent optimizer, ours (`accum_iters=4`), the
 add-only ceiling and Keras' built-in `gradient_accumulation_steps=4`, with
-Adam, SGD with momentum and RMSprop. Prints ms per call (median over
-`--windows`, default 100, after a tenth of warm-up), the mean over the
-window and, on JAX, the number of `copy` instructions in the compiled step.
-Ours should cost the ceiling on steps 1-3 and the parent on step 4.
+Adam, SGD with momentum and RMSprop. The four configurations of an
+optimizer are built side by side in one process, warmed up for one window
+each, then timed alternately, in 10 rounds of `--windows / 10` windows
+each, so that a drift of the process's speed falls on all of them (timed
+one after another, TensorFlow's SGD looked 4% slower than the built-in;
+alternated, the two were equal). Prints ms per call (median over
+`--windows`, default 100), the mean over the window and, on JAX, the
+number of `copy` instructions in the compiled step. Ours should cost the
+ceiling on steps 1-3 and the parent on step 4.
 """
 
 import argparse
@@ -65,8 +70,8 @@ def _torch_step(model, data):
     return lambda: model.train_step(data), None
 
 
-def profile(workload, config, optimizer_name, windows, xla=False):
-    """Returns (ms per position in the window, copies in the step)."""
+def compiled_step(workload, config, optimizer_name, xla=False):
+    """Returns (one synchronous train step of `config`, copies in it)."""
     batch = workloads.WORKLOADS[workload][0]
     x, y = workloads.data(workload, batch * 8)
     model, _ = worker.compiled_model(
@@ -76,18 +81,40 @@ def profile(workload, config, optimizer_name, windows, xla=False):
     data = (x[:batch], y[:batch])
     backend = keras.backend.backend()
     if backend == "jax":
-        run, copies = _jax_step(model, data)
-    elif backend == "tensorflow":
-        run, copies = _tensorflow_step(model, data, xla)
-    else:
-        run, copies = _torch_step(model, data)
-    times = [[] for _ in range(worker.K)]
-    for _ in range(windows):
-        for position in range(worker.K):
-            start = time.perf_counter()
+        return _jax_step(model, data)
+    if backend == "tensorflow":
+        return _tensorflow_step(model, data, xla)
+    return _torch_step(model, data)
+
+
+def profile(steps, windows, rounds=10):
+    """Times each step by position in a window, the steps alternating.
+
+    Args:
+        steps: a dict from configuration to a function that runs one
+            synchronous train step.
+        windows: windows of `worker.K` calls timed per configuration.
+        rounds: how many times the configurations take turns.
+
+    Returns a dict from configuration to its median ms per position.
+    """
+    rounds = max(1, min(rounds, windows))
+    times = {config: [[] for _ in range(worker.K)] for config in steps}
+    for run in steps.values():  # warm-up: tracing, both branches
+        for _ in range(worker.K):
             run()
-            times[position].append((time.perf_counter() - start) * 1e3)
-    return [statistics.median(t[len(t) // 10 :]) for t in times], copies
+    for _round in range(rounds):
+        for config, run in steps.items():
+            for _ in range(windows // rounds):
+                for position in range(worker.K):
+                    start = time.perf_counter()
+                    run()
+                    elapsed = time.perf_counter() - start
+                    times[config][position].append(elapsed * 1e3)
+    return {
+        config: [statistics.median(t) for t in by_position]
+        for config, by_position in times.items()
+    }
 
 
 def main(argv=None):
@@ -113,15 +140,17 @@ def main(argv=None):
     print("| optimizer | configuration | 1 | 2 | 3 | 4 | mean | copies |")
     print("|---|---|---|---|---|---|---|---|")
     for optimizer_name in args.optimizers:
+        steps, copies = {}, {}
         for config in CONFIGS:
-            ms, copies = profile(
-                args.workload, config, optimizer_name, args.windows, args.xla
+            steps[config], copies[config] = compiled_step(
+                args.workload, config, optimizer_name, args.xla
             )
+        for config, ms in profile(steps, args.windows).items():
             cells = " | ".join(f"{m:.2f}" for m in ms)
             mean = sum(ms) / len(ms)
             print(
                 f"| {optimizer_name} | {config} | {cells} | {mean:.2f} "
-                f"| {'-' if copies is None else copies} |",
+                f"| {'-' if copies[config] is None else copies[config]} |",
                 flush=True,
             )
 
