@@ -23,7 +23,7 @@ COUNTER_BYTES = 16  # two scalar counters (int32 or int64)
 
 
 def attainable(seconds, name):
-    """The most ratio `name` can be for any accumulating optimizer.
+    """The largest value ratio `name` can take for any accumulating optimizer.
 
     A micro-step that accumulates costs at least the ceiling's step
     (forward + backward + one add), and the window's last one at least the
