@@ -16,9 +16,7 @@ CHANGELOG = ROOT / "CHANGELOG.md"
 
 def on_files(files, config):
     files.append(
-        File.generated(
-            config, "img/benchmarks.png", abs_src_path=str(CHART)
-        )
+        File.generated(config, "img/benchmarks.png", abs_src_path=str(CHART))
     )
     files.append(
         File.generated(config, "changelog.md", content=CHANGELOG.read_text())
