@@ -401,7 +401,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list:
             ) from error
     k = args.accum_iters
     print(
-        f"digits, backend {keras.backend.backend()}, {args.epochs} epochs, "
+        f"digits, backend {keras.backend.backend()}, epochs: {args.epochs}, "
         f"big batch {k * args.micro_batch} = {k} x {args.micro_batch}, "
         f"cosine-decay learning rate from {LEARNING_RATE:g} over the run's "
         "updates",
