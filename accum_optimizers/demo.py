@@ -16,7 +16,8 @@ from the big-batch run's. `--plot PATH` also draws the loss curves and that
 distance after every update of the big-batch run.
 
     python -m accum_optimizers.demo [--accum-iters 4] [--micro-batch 16]
-                                    [--epochs 10] [--plot demo.png]
+                                    [--epochs 10] [--train-images 1440]
+                                    [--seed 0] [--plot demo.png]
 """
 
 import os
@@ -38,7 +39,8 @@ import numpy as np  # noqa: E402
 from accum_optimizers import AdamAccumulate  # noqa: E402
 
 LEARNING_RATE = 5e-3
-TRAIN_IMAGES = 1440  # of the 1797; the rest is the test set
+DIGITS = 1797  # images in scikit-learn's digits
+TRAIN_IMAGES = 1440  # the rest is the test set
 
 
 @dataclass
@@ -177,11 +179,17 @@ def compare(
     epochs: int = 10,
     seed: int = 0,
     record: bool = False,
+    train_images: int = TRAIN_IMAGES,
 ) -> list:
     """Trains the four runs; returns their `Run`s, the big batch first."""
     big_batch = accum_iters * micro_batch
     # Whole windows only: the training set is a multiple of the big batch.
-    train_size = (TRAIN_IMAGES // big_batch) * big_batch
+    train_size = (train_images // big_batch) * big_batch
+    if train_size == 0:
+        raise ValueError(
+            "`train_images` must hold at least one big batch of "
+            f"{big_batch} images. Received: train_images={train_images}"
+        )
     data = load_digits(train_size)
     updates = epochs * train_size // big_batch
     big_every = 1 if record else None
@@ -360,6 +368,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="passes over the training images (default: %(default)s)",
     )
     parser.add_argument(
+        "--train-images",
+        type=_positive_int,
+        default=TRAIN_IMAGES,
+        metavar="N",
+        help="training images, rounded down to whole big batches; the rest "
+        f"of the {DIGITS} digits is the test set (default: %(default)s)",
+    )
+    parser.add_argument(
         "--seed",
         type=int,
         default=0,
@@ -407,8 +423,18 @@ def main(argv: Optional[Sequence[str]] = None) -> list:
         "updates",
         flush=True,
     )
+    if args.train_images >= DIGITS:
+        raise SystemExit(
+            f"--train-images must leave test images out of the {DIGITS}. "
+            f"Received: --train-images {args.train_images}"
+        )
     runs = compare(
-        k, args.micro_batch, args.epochs, args.seed, record=bool(args.plot)
+        k,
+        args.micro_batch,
+        args.epochs,
+        args.seed,
+        record=bool(args.plot),
+        train_images=args.train_images,
     )
     print(report(runs, k))
     if args.plot:

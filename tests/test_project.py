@@ -40,7 +40,8 @@ def demo_run(tmp_path_factory):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         runs = demo.main(
-            ["--epochs", "1", "--accum-iters", "3", "--plot", str(png)]
+            ["--epochs", "1", "--accum-iters", "3", "--train-images", "480"]
+            + ["--plot", str(png)]
         )
     return runs, out.getvalue(), png
 
@@ -90,7 +91,8 @@ def test_demo_help_describes_every_flag(capsys):
     with pytest.raises(SystemExit):
         demo.main(["--help"])
     out = capsys.readouterr().out
-    flags = ("--accum-iters", "--micro-batch", "--epochs", "--seed", "--plot")
+    flags = ("--accum-iters", "--micro-batch", "--epochs", "--train-images")
+    flags += ("--seed", "--plot")
     for flag in flags:
         line = next(x for x in out.splitlines() if x.strip().startswith(flag))
         assert len(line.split(maxsplit=2)) == 3, line  # flag, value, help
