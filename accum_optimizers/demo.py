@@ -266,8 +266,9 @@ def report(runs: Sequence[Run], accum_iters: int) -> str:
         f"- AdamAccumulate matches the big batch to float32 round-off "
         f"({gaps[1]:.1g}): the same {updates[1]} updates, each on the mean "
         f"gradient of {k} micro-batches of {ours.batch_size}.",
-        f"- Adam at batch {small.batch_size} makes {k}x as many updates on "
-        f"noisier gradients and ends {gaps[2]:.2g} away.",
+        f"- Adam at batch {small.batch_size} is another training run: {k}x "
+        f"as many updates, each on a noisier gradient; it ends {gaps[2]:.2g} "
+        "away.",
         f"- Keras' built-in accumulation averages the same gradients, but "
         f"calls the schedule with micro-steps ({k * updates[3]}, not "
         f"{updates[3]}): the learning rate reaches 0 after 1/{k} of the run "
