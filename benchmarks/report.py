@@ -89,9 +89,7 @@ def ratio_rows(results, statistic="paired"):
         ratios = {}
         for name, numerator, denominator in RATIOS:
             values = [_ratio(s, numerator, denominator) for s in per_round]
-            ratios[name] = (
-                None if None in values else statistics.median(values)
-            )
+            ratios[name] = None if None in values else statistics.median(values)
         extra = (
             records["ours_k4"]["state_bytes"] - records["parent"]["state_bytes"]
         )
