@@ -57,6 +57,17 @@ def plan_restore(values, layout, accum_iters, describe):
     count = len(values)
     if count == layout.total:
         parent, window = values[: layout.parent], values[layout.parent :]
+    elif (
+        layout.has_window
+        and count == layout.total - 1
+        and _is_window_of(values, layout.parent)
+        and np.shape(values[layout.parent + 1]) == ()
+    ):
+        # Saved by 0.1.0, which had no mask of the variables that received
+        # gradient: its flush updated every variable.
+        parent, window = values[: layout.parent], values[layout.parent :]
+        variables = layout.total - layout.parent - WINDOW_SCALARS
+        window = window[:2] + [np.ones(variables, "int32")] + window[2:]
     elif count == layout.unbuilt:
         # Saved before the optimizer was built: nothing trained yet.
         parent, window = values, []

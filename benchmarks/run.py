@@ -2,6 +2,7 @@
 
     python -m benchmarks.run [--modes tensorflow tensorflow-xla jax torch
                               tensorflow-mirrored jax-dataparallel]
+                             [--optimizers adam adamw ...] [--workloads mlp ...]
                              [--repeats 5] [--out benchmarks/results] [--smoke]
 
 For every backend mode (TensorFlow without and with XLA, JAX, torch, and on 2
@@ -93,11 +94,24 @@ def main(argv=None):
     parser.add_argument(
         "--out", type=Path, default=ROOT / "benchmarks" / "results"
     )
+    parser.add_argument(
+        "--optimizers",
+        nargs="+",
+        help="time only these optimizers (default: all of worker.py's)",
+    )
+    parser.add_argument(
+        "--workloads", nargs="+", help="time only these workloads"
+    )
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--no-memory", action="store_true")
     args = parser.parse_args(argv)
 
     smoke = ["--smoke", "--optimizers", "adam"] if args.smoke else []
+    selected = []
+    if args.optimizers and not args.smoke:
+        selected += ["--optimizers", *args.optimizers]
+    if args.workloads:
+        selected += ["--workloads", *args.workloads]
     repeats = 1 if args.smoke else args.repeats
     started = time.time()
     results = {
@@ -118,7 +132,10 @@ def main(argv=None):
         _collect(
             results,
             "timings",
-            _worker(mode, ["--repeats", str(repeats), *smoke, *only_mlp]),
+            _worker(
+                mode,
+                ["--repeats", str(repeats), *smoke, *selected, *only_mlp],
+            ),
         )
         if not (args.no_memory or distributed):
             workloads = ["mlp"] if args.smoke else list(MEMORY_WORKLOADS)

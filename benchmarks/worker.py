@@ -42,6 +42,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 from accum_optimizers import AdamAccumulate  # noqa: E402
+from accum_optimizers import AdamWAccumulate  # noqa: E402
+from accum_optimizers import LionAccumulate  # noqa: E402
 from accum_optimizers import RMSpropAccumulate  # noqa: E402
 from accum_optimizers import SGDAccumulate  # noqa: E402
 from benchmarks import workloads  # noqa: E402
@@ -56,6 +58,12 @@ OPTIMIZERS = {
         {"learning_rate": 0.01, "momentum": 0.9},
     ),
     "rmsprop": (keras.optimizers.RMSprop, RMSpropAccumulate, {}),
+    "adamw": (keras.optimizers.AdamW, AdamWAccumulate, {}),
+    "lion": (
+        keras.optimizers.Lion,
+        LionAccumulate,
+        {"learning_rate": 1e-4},
+    ),
 }
 CONFIGS = [
     "parent",

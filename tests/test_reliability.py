@@ -417,3 +417,33 @@ def test_the_package_imports_under_python_oo():
         timeout=120,
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_a_window_saved_by_0_1_0_without_the_gradient_mask_resumes():
+    store, calls = _saved_state(accum_iters=3, pending=2)
+    optimizer = AdamAccumulate(0.1, accum_iters=3)
+    variables = _variables()
+    optimizer.build(variables)
+    mask = next(
+        i for i, v in enumerate(optimizer.variables)
+        if v is optimizer._accum_seen
+    )
+    old = [store[str(i)] for i in range(len(store)) if i != mask]
+    optimizer.load_own_variables({str(i): v for i, v in enumerate(old)})
+    assert int(optimizer.micro_steps) == 2
+    optimizer.apply([tensor(g) for g in calls[2]], variables)
+    parent_vars = _variables()
+    _parent_on_window_means(keras.optimizers.Adam(0.1), parent_vars, [calls])
+    _assert_close(variables, parent_vars)
+
+
+def test_a_schedule_state_loaded_into_a_float_learning_rate_is_refused():
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 1, 0.5)
+    saved = AdamAccumulate(schedule, accum_iters=3)
+    saved.build(_variables())
+    store = {}
+    saved.save_own_variables(store)
+    optimizer = AdamAccumulate(0.1, accum_iters=3)
+    optimizer.build(_variables())
+    with pytest.raises(ValueError, match="Cannot restore"):
+        optimizer.load_own_variables(store)
