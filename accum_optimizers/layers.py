@@ -288,9 +288,7 @@ def with_accum_batch_norm(model, accum_iters):
         pairs.append((layer, new))
         return new
 
-    clone = keras.models.clone_model(
-        model, clone_function=swap, recursive=True
-    )
+    clone = keras.models.clone_model(model, clone_function=swap, recursive=True)
     for old, new in pairs:
         _copy_weights(old, new)
     return clone
