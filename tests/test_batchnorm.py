@@ -5,6 +5,12 @@ once in training on the concatenated window for the moving statistics, on
 the micro-batch for the training output.
 """
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import keras
 import numpy as np
 import pytest
@@ -208,8 +214,7 @@ def _fit_accumulating(model, x, y, b):
     model.fit(x, y, batch_size=b, shuffle=False, verbose=0)
 
 
-@pytest.mark.parametrize("registered", [True, False])
-def test_keras_file_saved_mid_window_resumes_exactly(tmp_path, registered):
+def test_keras_file_saved_mid_window_resumes_exactly(tmp_path):
     k, b = 3, 4
     x = _data(6, [7 * b], (3,))[0]
     y = np.random.default_rng(7).normal(size=(7 * b, 1)).astype("float32")
@@ -227,22 +232,19 @@ def test_keras_file_saved_mid_window_resumes_exactly(tmp_path, registered):
     assert int(_numpy(interrupted.layers[0].window_calls)) == 2
     path = tmp_path / "mid_window.keras"
     interrupted.save(path)
-    objects = (
-        None
-        if registered
-        else {
-            "AccumBatchNormalization": AccumBatchNormalization,
-            "AdamAccumulate": AdamAccumulate,
-        }
-    )
-    restored = keras.saving.load_model(path, custom_objects=objects)
-    assert type(restored.layers[0]) is AccumBatchNormalization
-    assert restored.layers[0].accum_iters == k
-    _assert_close(
-        _values(restored.layers[0], MOVING + WINDOW),
-        _values(interrupted.layers[0], MOVING + WINDOW),
-        scale=0.0,
-    )
+    objects = {
+        "AccumBatchNormalization": AccumBatchNormalization,
+        "AdamAccumulate": AdamAccumulate,
+    }
+    for custom_objects in (objects, None):  # None: found as registered
+        restored = keras.saving.load_model(path, custom_objects=custom_objects)
+        assert type(restored.layers[0]) is AccumBatchNormalization
+        assert restored.layers[0].accum_iters == k
+        _assert_close(
+            _values(restored.layers[0], MOVING + WINDOW),
+            _values(interrupted.layers[0], MOVING + WINDOW),
+            scale=0.0,
+        )
     _fit_accumulating(restored, x[rest], y[rest], b)
 
     for name in MOVING + WINDOW:
@@ -364,3 +366,26 @@ def test_swap_helper_keeps_weights_and_predictions():
         rtol=1e-6,
         atol=1e-6,
     )
+
+
+@pytest.mark.backends("tensorflow")
+def test_mirrored_strategy_synchronized_is_the_global_window(tmp_path):
+    """2 logical CPUs; the device split needs a process of its own."""
+    out = tmp_path / "results.json"
+    here = Path(__file__).resolve().parent
+    result = subprocess.run(
+        [sys.executable, str(here / "batchnorm_mirrored_worker.py"), str(out)],
+        cwd=here,
+        env=dict(os.environ, KERAS_BACKEND="tensorflow"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["replicas"] == 2
+    # synchronized=True: the one-device big batch, with a short micro-batch
+    # split 3 / 2 between the replicas.
+    assert results["synchronized"] < 1e-5
+    # synchronized=False: each replica pools its own shards of the window.
+    assert results["unsynchronized"] < 1e-5
