@@ -112,7 +112,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         super().build(input_shape)
         shape = (input_shape[self.axis],)
 
-        def state(name, dtype="float32", shape=shape):
+        def state(name, dtype=self.variable_dtype, shape=shape):
             return self.add_weight(
                 shape=shape,
                 name=name,
@@ -166,9 +166,10 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
 
     def _add_to_window(self, inputs, mask, mean, variance):
         """Pools the call's moments into the window; moves at its end."""
-        mean = ops.cast(ops.stop_gradient(mean), "float32")
-        variance = ops.cast(ops.stop_gradient(variance), "float32")
-        count = self._count(inputs, mask)
+        dtype = self.window_mean.dtype
+        mean = ops.cast(ops.stop_gradient(mean), dtype)
+        variance = ops.cast(ops.stop_gradient(variance), dtype)
+        count = self._count(inputs, mask, dtype)
 
         # Chan et al.'s pairwise update of (count, mean, centered M2).
         old_count = ops.convert_to_tensor(self.window_count)
@@ -184,13 +185,37 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         )
         calls = ops.convert_to_tensor(self.window_calls) + 1
         last = ops.greater_equal(calls, self.accum_iters)
+        self._store_window(last, total, new_mean, new_m2, calls)
 
-        self._move_statistics(last, new_mean, ops.divide_no_nan(new_m2, total))
-        zeros = ops.zeros_like(total)
-        self.window_count.assign(ops.where(last, zeros, total))
-        self.window_mean.assign(ops.where(last, zeros, new_mean))
-        self.window_m2.assign(ops.where(last, zeros, new_m2))
-        self.window_calls.assign(ops.where(last, ops.zeros_like(calls), calls))
+    def _store_window(self, close, count, mean, m2, calls):
+        """Stores the window, or moves the statistics and empties it."""
+        self._move_statistics(close, mean, ops.divide_no_nan(m2, count))
+        zeros = ops.zeros_like(count)
+        self.window_count.assign(ops.where(close, zeros, count))
+        self.window_mean.assign(ops.where(close, zeros, mean))
+        self.window_m2.assign(ops.where(close, zeros, m2))
+        self.window_calls.assign(ops.where(close, ops.zeros_like(calls), calls))
+
+    def flush(self):
+        """Moves the statistics with the pending partial window, if any.
+
+        The moving statistics move as those of a `BatchNormalization` layer
+        called on the micro-batches the window holds, concatenated (the
+        epoch's short last batch of a big-batch run), and the window is
+        emptied. Does nothing when no call is pending or with
+        `accum_iters=1`. Call it eagerly, where the optimizer's `flush()` is
+        called (`FlushAccumulation` does it at the end of epochs).
+        """
+        if self.accum_iters == 1 or not self.built:
+            return
+        calls = ops.convert_to_tensor(self.window_calls)
+        self._store_window(
+            ops.greater(calls, 0),
+            ops.convert_to_tensor(self.window_count),
+            ops.convert_to_tensor(self.window_mean),
+            ops.convert_to_tensor(self.window_m2),
+            calls,
+        )
 
     def _move_statistics(self, last, mean, variance):
         """BatchNormalization's update with `mean, variance` where `last`."""
@@ -229,20 +254,20 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             )
         )
 
-    def _count(self, inputs, mask):
-        """Positions each channel's statistics were taken over, as float32."""
+    def _count(self, inputs, mask, dtype):
+        """Positions each channel's statistics were taken over."""
         if mask is None:
             shape = ops.shape(inputs)
-            count = 1.0
+            count = ops.ones((), dtype)
             for axis in self._reduction_axes:
-                count = count * ops.cast(shape[axis], "float32")
+                count = count * ops.cast(shape[axis], dtype)
             count = ops.broadcast_to(count, (inputs.shape[self.axis],))
             if self.synchronized:
                 count = _sum_over_replicas(count)
             return count
         # The broadcast of BatchNormalization._moments for masks.
         weights = ops.broadcast_to(ops.expand_dims(mask, -1), ops.shape(inputs))
-        weights = ops.cast(ops.cast(weights, "bool"), "float32")
+        weights = ops.cast(ops.cast(weights, "bool"), dtype)
         return ops.sum(weights, axis=self._reduction_axes)
 
     def get_config(self):

@@ -157,6 +157,39 @@ def test_masked_positions_count_for_neither_call_nor_window():
         _assert_close(_values(ours), _values(big), scale=30.0)
 
 
+def test_flush_moves_statistics_with_the_partial_window():
+    sizes = [3, 5, 2, 4, 6]  # a window of 3, then 2 calls pending
+    micro_batches = _data(14, sizes, (2,))
+    ours = AccumBatchNormalization(accum_iters=3, momentum=0.5)
+    big = keras.layers.BatchNormalization(momentum=0.5)
+    ours.flush()  # unbuilt: nothing to do
+    for x in micro_batches:
+        ours(x, training=True)
+    big(np.concatenate(micro_batches[:3]), training=True)
+    big(np.concatenate(micro_batches[3:]), training=True)
+
+    ours.flush()
+    _assert_close(_values(ours), _values(big), scale=30.0)
+    assert int(_numpy(ours.window_calls)) == 0
+    flushed = _values(ours)
+    ours.flush()  # empty window: nothing moves
+    _assert_close(_values(ours), flushed, scale=0.0)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_statistics_stay_float32_and_exact(policy):
+    keras.config.set_dtype_policy(policy)
+    micro_batches = _data(15, [4, 3], (2, 3), offset=1.0)
+    ours = AccumBatchNormalization(accum_iters=2)
+    big = keras.layers.BatchNormalization()
+    for x in micro_batches:
+        ours(x, training=True)
+    big(np.concatenate(micro_batches), training=True)
+    assert ours.window_mean.dtype == "float32"
+    # Both see the same 16-bit inputs, upcast to float32.
+    _assert_close(_values(ours), _values(big), scale=30.0)
+
+
 def _input_bn_model(layer, seed=0, features=3):
     # Batch normalization first: its inputs are the data, whatever the
     # weights behind it learn, so both runs feed it the same samples.
