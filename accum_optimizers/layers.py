@@ -284,6 +284,9 @@ def _sum_over_replicas(value):
     return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
 
 
+_SWAPPABLE = (keras.layers.BatchNormalization, AccumBatchNormalization)
+
+
 def with_accum_batch_norm(model, accum_iters):
     """Clones a model with its `BatchNormalization` layers accumulating.
 
@@ -291,7 +294,8 @@ def with_accum_batch_norm(model, accum_iters):
     models included) becomes an `AccumBatchNormalization` with the same
     configuration and `accum_iters`; every other layer is cloned as is. All
     weights are copied, moving statistics included; the new layers start
-    with an empty window. The clone is not compiled.
+    with an empty window. The clone is not compiled. Other subclasses of
+    `BatchNormalization` are refused with a `ValueError`.
 
     Args:
         model: A Sequential or Functional `keras.Model`.
@@ -305,9 +309,17 @@ def with_accum_batch_norm(model, accum_iters):
 
     def swap(layer):
         config = layer.get_config()
-        if isinstance(layer, keras.layers.BatchNormalization):
+        if type(layer) in _SWAPPABLE:
             config["accum_iters"] = accum_iters
             new = AccumBatchNormalization.from_config(config)
+        elif isinstance(layer, keras.layers.BatchNormalization):
+            # Swapping would drop what the subclass adds; keeping it would
+            # leave its statistics per micro-batch. Neither silently.
+            raise ValueError(
+                f"Cannot swap layer {layer.name!r} of class "
+                f"{type(layer).__name__}, a subclass of BatchNormalization, "
+                "for AccumBatchNormalization."
+            )
         else:
             new = layer.__class__.from_config(config)
         pairs.append((layer, new))

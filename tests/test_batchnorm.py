@@ -422,3 +422,12 @@ def test_mirrored_strategy_synchronized_is_the_global_window(tmp_path):
     assert results["synchronized"] < 1e-5
     # synchronized=False: each replica pools its own shards of the window.
     assert results["unsynchronized"] < 1e-5
+
+
+def test_swap_helper_refuses_other_batch_norm_subclasses():
+    class CustomNorm(keras.layers.BatchNormalization):
+        pass
+
+    model = keras.Sequential([keras.Input((2,)), CustomNorm(name="custom")])
+    with pytest.raises(ValueError, match="'custom' of class CustomNorm"):
+        with_accum_batch_norm(model, accum_iters=2)
