@@ -9,25 +9,9 @@ the window's samples together: the moving statistics of a
 """
 
 import keras
-import numpy as np
 from keras import ops
 
-
-def _validate_accum_iters(accum_iters):
-    if isinstance(accum_iters, (bool, np.bool_)) or not isinstance(
-        accum_iters, (int, np.integer)
-    ):
-        raise ValueError(
-            "`accum_iters` must be an integer >= 1. Received: "
-            f"accum_iters={accum_iters!r} "
-            f"(of type {type(accum_iters).__name__})"
-        )
-    if accum_iters < 1:
-        raise ValueError(
-            "`accum_iters` must be an integer >= 1. Received: "
-            f"accum_iters={accum_iters!r}"
-        )
-    return int(accum_iters)
+from accum_optimizers._validation import validate_accum_iters
 
 
 @keras.saving.register_keras_serializable(package="accum_optimizers")
@@ -104,7 +88,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
     """
 
     def __init__(self, accum_iters=1, **kwargs):
-        accum_iters = _validate_accum_iters(accum_iters)
+        accum_iters = validate_accum_iters(accum_iters)
         super().__init__(**kwargs)
         self.accum_iters = accum_iters
 
@@ -304,7 +288,7 @@ def with_accum_batch_norm(model, accum_iters):
     Returns:
         A new `keras.Model`.
     """
-    accum_iters = _validate_accum_iters(accum_iters)
+    accum_iters = validate_accum_iters(accum_iters)
     pairs = []
 
     def swap(layer):
