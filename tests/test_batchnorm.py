@@ -421,27 +421,40 @@ def test_swap_helper_keeps_weights_and_predictions():
     )
 
 
-@pytest.mark.backends("tensorflow")
-def test_mirrored_strategy_synchronized_is_the_global_window(tmp_path):
-    """2 logical CPUs; the device split needs a process of its own."""
+def _run_worker(name, tmp_path, backend):
+    """Runs a worker in a process of its own (it splits the CPU first)."""
     out = tmp_path / "results.json"
     here = Path(__file__).resolve().parent
     result = subprocess.run(
-        [sys.executable, str(here / "batchnorm_mirrored_worker.py"), str(out)],
+        [sys.executable, str(here / name), str(out)],
         cwd=here,
-        env=dict(os.environ, KERAS_BACKEND="tensorflow"),
+        env=dict(os.environ, KERAS_BACKEND=backend),
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    results = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.backends("tensorflow")
+def test_mirrored_strategy_synchronized_is_the_global_window(tmp_path):
+    results = _run_worker(
+        "batchnorm_mirrored_worker.py", tmp_path, "tensorflow"
+    )
     assert results["replicas"] == 2
     # synchronized=True: the one-device big batch, with a short micro-batch
     # split 3 / 2 between the replicas.
     assert results["synchronized"] < 1e-5
     # synchronized=False: each replica pools its own shards of the window.
     assert results["unsynchronized"] < 1e-5
+
+
+@pytest.mark.backends("jax")
+def test_jax_data_parallel_is_the_global_window(tmp_path):
+    results = _run_worker("batchnorm_dataparallel_worker.py", tmp_path, "jax")
+    assert results["devices"] == 2
+    assert results["difference"] < 1e-5
 
 
 def test_swap_helper_refuses_other_batch_norm_subclasses():
