@@ -45,10 +45,15 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
     training calls of this layer, so a model that calls the layer more than
     once per step (a shared layer) needs `accum_iters` times that count.
 
+    A window left pending (the end of an epoch) carries into the next one;
+    `flush()` moves the statistics with it instead, as a big-batch run
+    would with its short last batch.
+
     With `synchronized=True` under `tf.distribute`, each call's statistics
-    and counts are summed over the replicas, so the window is the global
-    window. With `synchronized=False` each replica pools its own shard, as
-    `BatchNormalization` does per micro-batch.
+    are taken over all replicas and its count is summed over them, so the
+    window is the global window (as it is under JAX's `DataParallel`). With
+    `synchronized=False` each replica pools its own shards, as
+    `BatchNormalization` normalizes each replica's shard.
 
     Args:
         accum_iters: Integer >= 1. Number of training calls per window.
