@@ -1,10 +1,15 @@
 """Keras callbacks for accumulating optimizers."""
 
+from typing import Any
+from typing import Optional
+
 import keras
 from keras.saving import register_keras_serializable
 
 
-def accumulating_optimizer(optimizer):
+def accumulating_optimizer(
+    optimizer: keras.optimizers.Optimizer,
+) -> Optional[keras.optimizers.Optimizer]:
     """The accumulating optimizer inside `optimizer`, or `None`.
 
     Unwraps `keras.optimizers.LossScaleOptimizer` (which `compile` adds under
@@ -36,7 +41,9 @@ class FlushAccumulation(keras.callbacks.Callback):
             stopped early with a window pending. Defaults to `True`.
     """
 
-    def __init__(self, every_epoch=True, at_train_end=True):
+    def __init__(
+        self, every_epoch: bool = True, at_train_end: bool = True
+    ) -> None:
         super().__init__()
         for name, value in (
             ("every_epoch", every_epoch),
@@ -49,7 +56,7 @@ class FlushAccumulation(keras.callbacks.Callback):
         self.every_epoch = every_epoch
         self.at_train_end = at_train_end
 
-    def _flush(self):
+    def _flush(self) -> None:
         optimizer = accumulating_optimizer(self.model.optimizer)
         if optimizer is None:
             raise ValueError(
@@ -59,16 +66,18 @@ class FlushAccumulation(keras.callbacks.Callback):
             )
         optimizer.flush()
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(
+        self, epoch: int, logs: Optional[dict[str, Any]] = None
+    ) -> None:
         last_epoch = epoch + 1 == self.params.get("epochs")
         if self.every_epoch or (self.at_train_end and last_epoch):
             self._flush()
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: Optional[dict[str, Any]] = None) -> None:
         if self.at_train_end:
             self._flush()
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {
             "every_epoch": self.every_epoch,
             "at_train_end": self.at_train_end,
