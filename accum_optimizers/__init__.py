@@ -7,6 +7,7 @@ exactly as their Keras parent would on a `k` times larger batch.
 """
 
 from accum_optimizers.callbacks import FlushAccumulation
+from accum_optimizers.layers import AccumBatchNormalization
 from accum_optimizers.optimizers import AdadeltaAccumulate
 from accum_optimizers.optimizers import AdafactorAccumulate
 from accum_optimizers.optimizers import AdagradAccumulate
@@ -26,6 +27,7 @@ from accum_optimizers.optimizers import accumulating
 __version__ = "0.2.0.dev0"
 
 __all__ = [
+    "AccumBatchNormalization",
     "AdadeltaAccumulate",
     "AdafactorAccumulate",
     "AdagradAccumulate",

@@ -22,6 +22,12 @@ Attributes and methods of `keras.optimizers.Optimizer` used by the mixin
 
 TensorFlow internals: `control_flow_util.GraphOrParentsInXlaContext` and
 `tf.__internal__.distribute.strategy_supports_no_merge_call`.
+
+Attributes and methods of `keras.layers.BatchNormalization` used by
+`AccumBatchNormalization` (`layers.py`), which replaces the moving-statistics
+update of its training branch: `_reduction_axes`, `_moments(inputs, mask)`,
+and for `renorm=True` `_renorm_correction_and_moments`,
+`_compose_transforms` and `_update_renorm_statistics`.
 """
 
 OPTIMIZER_ATTRIBUTES = (
@@ -37,6 +43,13 @@ OPTIMIZER_ATTRIBUTES = (
 TENSORFLOW_OPTIMIZER_ATTRIBUTES = (
     "_distribution_strategy",
     "_all_reduce_sum_gradients",
+)
+
+BATCH_NORMALIZATION_ATTRIBUTES = (
+    "_moments",
+    "_renorm_correction_and_moments",
+    "_compose_transforms",
+    "_update_renorm_statistics",
 )
 
 
