@@ -6,6 +6,7 @@ exactly as their Keras parent would on a `k` times larger batch.
 """
 
 from accum_optimizers.adam import AdamAccumulate
+from accum_optimizers.callbacks import AccumulationLogger
 from accum_optimizers.callbacks import FlushAccumulation
 from accum_optimizers.rmsprop import RMSpropAccumulate
 from accum_optimizers.sgd import SGDAccumulate
@@ -13,6 +14,7 @@ from accum_optimizers.sgd import SGDAccumulate
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccumulationLogger",
     "AdamAccumulate",
     "FlushAccumulation",
     "RMSpropAccumulate",
