@@ -74,7 +74,10 @@ class AccumulationSweep(keras_tuner.HyperModel):
         kwargs["batch_size"] = EFFECTIVE_BATCH // hp.get("accum_iters")
         # Applies each epoch's last, partial window, so every trial makes
         # the same updates per epoch as one batch of EFFECTIVE_BATCH would.
-        kwargs["callbacks"] = [*kwargs.get("callbacks", []), FlushAccumulation()]
+        kwargs["callbacks"] = [
+            *kwargs.get("callbacks", []),
+            FlushAccumulation(),
+        ]
         return model.fit(*args, **kwargs)
 
 

@@ -104,7 +104,9 @@ def train(params, data, epochs, callbacks=()):
 def objective(data, epochs):
     def run(trial):
         params = {
-            "accum_iters": trial.suggest_categorical("accum_iters", ACCUM_ITERS),
+            "accum_iters": trial.suggest_categorical(
+                "accum_iters", ACCUM_ITERS
+            ),
             "learning_rate": trial.suggest_float(
                 "learning_rate", 1e-3, 3e-2, log=True
             ),

@@ -68,7 +68,10 @@ def test_kerastuner_sweep(tmp_path):
     pytest.importorskip("sklearn")
     directory = tmp_path / "sweep"
     out = run_example(
-        "kerastuner_sweep.py", *SMALL, "--directory", str(directory),
+        "kerastuner_sweep.py",
+        *SMALL,
+        "--directory",
+        str(directory),
         cwd=tmp_path,
     )
     trials = [line for line in out.splitlines() if "val_loss=" in line]
@@ -82,7 +85,10 @@ def test_optuna_sweep(tmp_path):
     pytest.importorskip("sklearn")
     directory = tmp_path / "sweep"
     out = run_example(
-        "optuna_sweep.py", *SMALL, "--directory", str(directory),
+        "optuna_sweep.py",
+        *SMALL,
+        "--directory",
+        str(directory),
         cwd=tmp_path,
     )
     trials = [line for line in out.splitlines() if line.startswith("trial ")]
@@ -104,7 +110,9 @@ def test_optuna_pruning_callback_stops_a_trial_after_the_reported_epoch():
     example = _load_example("optuna_sweep")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     # Prunes any trial whose reported value is above 0: every loss.
-    study = optuna.create_study(pruner=optuna.pruners.ThresholdPruner(upper=0.0))
+    study = optuna.create_study(
+        pruner=optuna.pruners.ThresholdPruner(upper=0.0)
+    )
     x = np.random.default_rng(0).normal(size=(32, 64)).astype("float32")
     y = np.arange(32) % 10
     data = ((x, y), (x, y))
