@@ -1,34 +1,35 @@
 """The gradient-accumulation mechanism shared by every accumulating optimizer.
 
 Over a window of `accum_iters` consecutive `apply` calls with gradients
-g_1..g_k, the optimizer adds each g_i into a per-variable accumulator and
-updates the weights once, on the k-th call, with the mean gradient
+g_1..g_k, the optimizer adds each g_i into a per-variable sum and updates
+the weights once, on the k-th call, with the mean gradient
 (g_1 + ... + g_k) / k, through the parent Keras optimizer's own `apply`:
 unscaling, clipping, weight decay, the update math, EMA, constraints and the
 `iterations` increment all happen exactly once per window, so `iterations`
-counts applied updates and learning-rate schedules, Adam's bias correction and
-EMA see the same step numbers as a run with a k times larger batch.
+counts applied updates, and learning-rate schedules, bias corrections and
+EMA see the step numbers of a run with a k times larger batch.
 
 Each call reads
 
-    counter -> update_switch -> accumulate, or blend and apply:
+    counter -> update_switch -> accumulate, or add and apply:
 
     micro_steps += 1
     update_switch = micro_steps >= accum_iters
     if update_switch:                           (once per window)
-        parent.apply((accumulators + grads) / micro_steps)
+        parent.apply((sums + grads) / micro_steps)
         micro_steps = 0
     else:                                       (the other micro-steps)
-        accumulators += grads
+        sums += grads
 
-The `if` is a real branch on every backend (a `tf.cond` in a TensorFlow
-graph, a `tf.while_loop` or `jax.lax.while_loop` that runs zero times or
-once under XLA, a Python `if` on torch and eagerly), so the accumulating
-micro-steps never run the update math. How each backend arranges the add
-and the branch, and how it starts the next window without a pass that
-zeroes the accumulators where it can, is in `_backend`. With
+The `if` is a real branch on every backend, so accumulating micro-steps never
+run the update math; how each backend arranges it is in `_backend`. With
 `accum_iters=1` the optimizer is the parent optimizer: no extra variables
 and the parent's own code path.
+
+A call's arguments are checked before any state changes, so a call that
+raises changes nothing. A variable left out of a call counts as a `None`
+gradient: every call accumulates over all the variables the optimizer was
+built with.
 """
 
 import inspect
@@ -40,57 +41,44 @@ from keras import backend
 from keras import config as keras_config
 from keras import ops
 
-from accum_optimizers import _backend
+from accum_optimizers._backend import BackendAccumulation
+from accum_optimizers._restore import Layout
+from accum_optimizers._restore import plan_restore
+from accum_optimizers._validation import validate_accum_iters
+from accum_optimizers._validation import validate_accumulator_dtype
+from accum_optimizers._validation import validate_decay
 
 _LOW_PRECISION_DTYPES = ("float16", "bfloat16")
 
 
-def validate_accum_iters(accum_iters):
-    """Returns `accum_iters` as an `int` >= 1, or raises naming the value."""
-    if isinstance(accum_iters, (bool, np.bool_)) or not isinstance(
-        accum_iters, (int, np.integer)
-    ):
-        raise TypeError(
-            "`accum_iters` must be an integer >= 1. Received: "
-            f"accum_iters={accum_iters!r} "
-            f"(of type {type(accum_iters).__name__})"
-        )
-    if accum_iters < 1:
-        raise ValueError(
-            "`accum_iters` must be an integer >= 1. Received: "
-            f"accum_iters={accum_iters!r}"
-        )
-    return int(accum_iters)
-
-
-def default_epsilon(epsilon):
-    """Keras 2 spelled "Keras' default epsilon" as `epsilon=None`."""
-    return keras_config.epsilon() if epsilon is None else epsilon
-
-
-class GradientAccumulation:
+class GradientAccumulation(BackendAccumulation):
     """Mixin that makes a Keras optimizer accumulate gradients.
 
-    Put it before the Keras optimizer in the bases:
-    `class AdamAccumulate(GradientAccumulation, Adam)`. See the module
-    docstring for the mechanism.
+    Classes are made with `accum_optimizers.accumulating(parent)`, which
+    puts this mixin before `parent` in the bases and sets `_accum_parent`.
+    See the module docstring for the mechanism.
 
     Args:
+        *args: the parent optimizer's positional arguments, in its order.
         accum_iters: Integer >= 1. Number of micro-batches (`apply` calls)
             whose gradients are averaged into one update. Defaults to `1`,
-            which is the parent optimizer unchanged.
-        accumulator_dtype: Optional dtype of the gradient accumulators.
-            Defaults to `None`: `"float32"` for `float16`/`bfloat16`
-            variables, the variable's own dtype otherwise.
+            the parent optimizer unchanged.
+        accumulator_dtype: Optional dtype of the gradient sums, one of
+            `"float16"`, `"bfloat16"`, `"float32"`, `"float64"`. Defaults
+            to `None`: `"float32"` for `float16`/`bfloat16` variables, the
+            variable's own dtype otherwise.
         lr: Deprecated Keras 2 alias of `learning_rate`.
         decay: Deprecated Keras 2 time decay: the learning rate is divided
             by `1 + decay * iterations`, where `iterations` counts applied
             updates. Defaults to `None` (no decay).
-        **kwargs: the parent optimizer's arguments.
+        **kwargs: the parent optimizer's keyword arguments.
     """
+
+    _accum_parent = None
 
     def __init__(
         self,
+        *args,
         accum_iters=1,
         accumulator_dtype=None,
         lr=None,
@@ -98,7 +86,10 @@ class GradientAccumulation:
         **kwargs,
     ):
         accum_iters = validate_accum_iters(accum_iters)
-        steps = kwargs.get("gradient_accumulation_steps")
+        accumulator_dtype = validate_accumulator_dtype(accumulator_dtype)
+        decay = validate_decay(decay)
+        arguments = self._accum_parent_arguments(args, kwargs, lr)
+        steps = arguments.arguments.get("gradient_accumulation_steps")
         if accum_iters > 1 and steps:
             raise ValueError(
                 "Pass either `accum_iters` or Keras' own "
@@ -107,101 +98,99 @@ class GradientAccumulation:
                 f"accum_iters={accum_iters}, "
                 f"gradient_accumulation_steps={steps!r}"
             )
-        if accumulator_dtype is not None:
-            accumulator_dtype = backend.standardize_dtype(accumulator_dtype)
-            if "float" not in accumulator_dtype:
-                raise ValueError(
-                    "`accumulator_dtype` must be a floating dtype. Received: "
-                    f"accumulator_dtype={accumulator_dtype!r}"
-                )
-        if lr is not None:
-            kwargs["learning_rate"] = self._learning_rate_from_lr(
-                lr, kwargs.get("learning_rate")
-            )
         if decay is not None:
             warnings.warn(
                 "`decay` is the Keras 2 time decay; in Keras 3 pass "
                 "`learning_rate=keras.optimizers.schedules.InverseTimeDecay("
                 "learning_rate, decay_steps=1, decay_rate=decay)` instead.",
                 DeprecationWarning,
-                stacklevel=3,
+                stacklevel=2,
             )
-            if (
-                isinstance(decay, bool)
-                or not isinstance(decay, (int, float, np.floating, np.integer))
-                or not decay >= 0
-            ):
-                raise ValueError(
-                    f"`decay` must be a number >= 0. Received: decay={decay!r}"
-                )
-            decay = float(decay)
-        super().__init__(**kwargs)
+        super().__init__(*arguments.args[1:], **arguments.kwargs)
         self.accum_iters = accum_iters
         self.accumulator_dtype = accumulator_dtype
-        self.decay = decay or None
+        self.decay = decay
 
-    def _learning_rate_from_lr(self, lr, learning_rate):
-        warnings.warn(
-            "`lr` is the Keras 2 spelling of `learning_rate`; pass "
-            "`learning_rate` instead.",
-            DeprecationWarning,
-            stacklevel=4,
-        )
-        default = (
-            inspect.signature(type(self).__init__)
-            .parameters["learning_rate"]
-            .default
-        )
-        if learning_rate is not None and learning_rate != default:
-            raise ValueError(
-                "Pass either `learning_rate` or its Keras 2 alias `lr`, not "
-                f"both. Received: learning_rate={learning_rate!r}, lr={lr!r}"
+    def _accum_parent_arguments(self, args, kwargs, lr):
+        """Binds the parent's arguments, so that what the user passed
+        explicitly is known (`lr` with `learning_rate` is refused even when
+        `learning_rate` equals its default)."""
+        signature = inspect.signature(self._accum_parent.__init__)
+        try:
+            arguments = signature.bind_partial(None, *args, **kwargs)
+        except TypeError as error:
+            raise TypeError(f"{type(self).__name__}(): {error}") from None
+        explicit = arguments.arguments
+        if lr is not None:
+            warnings.warn(
+                "`lr` is the Keras 2 spelling of `learning_rate`; pass "
+                "`learning_rate` instead.",
+                DeprecationWarning,
+                stacklevel=3,
             )
-        return lr
+            if "learning_rate" in explicit:
+                raise ValueError(
+                    "Pass either `learning_rate` or its Keras 2 alias `lr`, "
+                    "not both. Received: "
+                    f"learning_rate={explicit['learning_rate']!r}, lr={lr!r}"
+                )
+            explicit["learning_rate"] = lr
+        if explicit.get("epsilon", 0) is None:
+            # Keras 2 spelled "Keras' default epsilon" as `epsilon=None`.
+            explicit["epsilon"] = keras_config.epsilon()
+        return arguments
 
     # -- State -------------------------------------------------------------
 
     def build(self, variables):
         if self.built:
             return
+        unbuilt = len(self.variables)
         super().build(variables)
-        if self.accum_iters == 1:
-            return
-        self._micro_steps = self._add_local_variable(
-            "accum_micro_steps", shape=(), dtype="int"
-        )
-        self._micro_batches = self._add_local_variable(
-            "accum_micro_batches", shape=(), dtype="int"
-        )
-        self._accumulators = [
-            self._add_accumulator(variable) for variable in variables
-        ]
+        parent = len(self.variables)
+        if self.accum_iters > 1:
+            self._accum_micro_steps = self._accum_add_variable(
+                "accum_micro_steps", shape=(), dtype="int32"
+            )
+            self._accum_micro_batches = self._accum_add_variable(
+                "accum_micro_batches", shape=(), dtype="int32"
+            )
+            self._accum_seen = self._accum_add_variable(
+                "accum_seen", shape=(len(variables),), dtype="int32"
+            )
+            self._accum_sums = [
+                self._accum_add_sum(variable) for variable in variables
+            ]
+        self._accum_layout = Layout(unbuilt, parent, len(self.variables))
+        pending = self.__dict__.pop("_accum_pending_restore", None)
+        if pending is not None:
+            with self._accum_outside_compiled_code():
+                self._accum_restore(list(pending))
 
-    def _add_accumulator(self, variable):
+    def _accum_add_sum(self, variable):
         dtype = self.accumulator_dtype
         if dtype is None:
             dtype = backend.standardize_dtype(variable.dtype)
             if dtype in _LOW_PRECISION_DTYPES:
                 dtype = "float32"
-        return self._add_local_variable(
-            f"{variable.path.replace('/', '_')}_accumulator",
+        return self._accum_add_variable(
+            f"{variable.path.replace('/', '_')}_accum_sum",
             shape=variable.shape,
             dtype=dtype,
             reference=variable,
         )
 
-    def _add_local_variable(self, name, shape, dtype, reference=None):
+    def _accum_add_variable(self, name, shape, dtype, reference=None):
         """Adds a replica-local variable (`synchronization="on_read"`).
 
-        Under `tf.distribute`, each replica adds its own gradients into its
-        own copy, without communication; `_apply_window` sums the copies
-        once per window. Read outside a replica (saving), an
-        accumulator is the sum over replicas and a counter the first
-        replica's; assigned outside (restoring), an accumulator is split
-        evenly. Elsewhere this is a plain variable, laid out like
-        `reference`.
+        Under `tf.distribute` each replica adds its own gradients into its
+        own copy, without communication; the window sums the copies once.
+        Read outside a replica (saving), a sum is the total over replicas
+        and a counter the first replica's; assigned outside (restoring), a
+        sum is split evenly. Elsewhere this is a plain variable, laid out
+        like `reference`.
         """
-        with _backend.colocate_with(self, reference):
+        with self._accum_colocate(reference):
             with keras.name_scope(self.name, caller=self):
                 variable = keras.Variable(
                     initializer=keras.initializers.Zeros(),
@@ -228,7 +217,7 @@ class GradientAccumulation:
         """
         if self.accum_iters == 1 or not self.built:
             return ops.zeros((), dtype="int32")
-        return self._micro_steps.value
+        return self._accum_micro_steps.value
 
     @property
     def micro_batches_seen(self):
@@ -239,7 +228,7 @@ class GradientAccumulation:
         """
         if self.accum_iters == 1 or not self.built:
             return self.iterations
-        return self._micro_batches.value
+        return self._accum_micro_batches.value
 
     @property
     def last_apply_updated(self):
@@ -249,8 +238,8 @@ class GradientAccumulation:
         if not self.built:
             return ops.convert_to_tensor(False)
         return ops.logical_and(
-            ops.equal(self._micro_steps.value, 0),
-            ops.greater(self._micro_batches.value, 0),
+            ops.equal(self._accum_micro_steps.value, 0),
+            ops.greater(self._accum_micro_batches.value, 0),
         )
 
     # -- The mechanism -----------------------------------------------------
@@ -258,8 +247,47 @@ class GradientAccumulation:
     def apply(self, grads, trainable_variables=None):
         if self.accum_iters == 1:
             return super().apply(grads, trainable_variables)
-        if len(grads) == 0:
+        grads = list(grads)
+        if not grads:
             return
+        grads = self._accum_gradients_of_every_variable(
+            grads, trainable_variables
+        )
+        has_gradient = [g is not None for g in grads]
+        overwrite = [
+            self._overwrite_variable_with_gradient(v)
+            for v in self._trainable_variables
+        ]
+        with keras.name_scope(self.name, caller=self):
+            # counter: one more micro-batch in the window.
+            micro_steps = self._accum_micro_steps + 1
+            self._accum_micro_steps.assign(micro_steps)
+            self._accum_micro_batches.assign(self._accum_micro_batches + 1)
+            new_window = ops.equal(micro_steps, 1)
+            # update_switch: the window is full.
+            update_switch = ops.greater_equal(micro_steps, self.accum_iters)
+            self._accum_mark_seen(has_gradient, new_window)
+            for i in np.flatnonzero(overwrite):
+                self._accum_keep_maximum(self._accum_sums[i], grads[i])
+            # accumulate, or add and apply on the window's last micro-step.
+            summed = [i for i, over in enumerate(overwrite) if not over]
+            self._accum_micro_step(
+                [self._accum_sums[i] for i in summed],
+                [grads[i] for i in summed],
+                new_window,
+                update_switch,
+                lambda totals: self._accum_apply_window(
+                    dict(zip(summed, totals)),
+                    [i for i, has in enumerate(has_gradient) if has],
+                ),
+            )
+
+    def _accum_gradients_of_every_variable(self, grads, trainable_variables):
+        """`grads` checked and laid out over every built variable.
+
+        Everything that can make the call fail is checked here, before any
+        state changes. A variable not passed gets `None`.
+        """
         if trainable_variables is None:
             if not self.built:
                 raise ValueError(
@@ -267,109 +295,118 @@ class GradientAccumulation:
                     "must already be built. Call "
                     "`optimizer.build(trainable_variables)` first."
                 )
-            trainable_variables = self._trainable_variables
+            variables = self._trainable_variables
         else:
-            trainable_variables = list(trainable_variables)
-            if not self.built:
-                with keras.name_scope(self.name, caller=self):
-                    self.build(trainable_variables)
-            self._check_variables_are_known(trainable_variables)
-        if len(grads) != len(trainable_variables):
+            variables = list(trainable_variables)
+        if len(grads) != len(variables):
             raise ValueError(
-                f"Received {len(grads)} gradients for "
-                f"{len(trainable_variables)} variables."
+                f"Received {len(grads)} gradients for {len(variables)} "
+                "variables; pass one gradient (or `None`) per variable."
             )
-        has_gradient = [g is not None for g in grads]
-        with keras.name_scope(self.name, caller=self):
-            # counter: one more micro-batch in the window.
-            micro_steps = self._micro_steps + 1
-            self._micro_steps.assign(micro_steps)
-            self._micro_batches.assign(self._micro_batches + 1)
-            # update_switch: the window is full.
-            update_switch = ops.greater_equal(micro_steps, self.accum_iters)
-            # accumulate, or blend and apply on the window's last micro-step.
-            _backend.accumulate(
-                self,
-                [self._accumulator_for(v) for v in trainable_variables],
-                grads,
-                micro_steps,
-                update_switch,
-                lambda totals: self._apply_window(
-                    totals, has_gradient, trainable_variables
-                ),
-            )
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(variables)
+        self._check_variables_are_known(variables)
+        laid_out = [None] * len(self._trainable_variables)
+        for grad, variable in zip(grads, variables):
+            if grad is not None:
+                _check_shape(grad, variable)
+                laid_out[self._get_variable_index(variable)] = grad
+        if all(grad is None for grad in laid_out):
+            raise ValueError("No gradients provided for any variable.")
+        return laid_out
+
+    def _accum_mark_seen(self, has_gradient, new_window):
+        """Records which variables received gradient in the window."""
+        mask = ops.convert_to_tensor(np.asarray(has_gradient, "int32"))
+        seen = self._accum_seen
+        seen.assign(ops.where(new_window, mask, ops.maximum(seen.value, mask)))
+
+    def _accum_keep_maximum(self, total, grad):
+        """float8 scale variables (`overwrite_with_gradient`): the window
+        keeps the maximum of its "gradients", as the big batch computes."""
+        if grad is None:
+            return
+        grad = ops.cast(grad, total.dtype)
+        new_window = ops.equal(self._accum_micro_steps.value, 1)
+        total.assign(
+            ops.where(new_window, grad, ops.maximum(total.value, grad))
+        )
 
     def flush(self):
-        """Applies the pending partial window, if any, and resets it.
+        """Applies the pending partial window, if any, and starts a new one.
 
         The update uses the mean of the gradients of the micro-batches the
         window holds (`micro_steps` of them), so a flushed window of `m`
-        micro-batches of size `b` equals the parent optimizer on one batch of
-        `m * b`. Does nothing when no micro-batch is pending or with
-        `accum_iters=1`. Every trainable variable is updated, with the
-        accumulated gradient of the window. Call it eagerly (the
-        `FlushAccumulation` callback does, at the end of epochs or training).
+        micro-batches of size `b` equals the parent optimizer on one batch
+        of `m * b`. Only variables that are trainable now and received
+        gradient in the window are updated. A window whose gradients are
+        not all finite (after a `TerminateOnNaN` stop, say) is discarded
+        with a warning, leaving the weights as they are. Does nothing when
+        no micro-batch is pending or with `accum_iters=1`. Call it eagerly
+        (the `FlushAccumulation` callback does, at the end of epochs or of
+        training).
         """
         if self.accum_iters == 1 or not self.built:
             return
-        trainable_variables = self._trainable_variables
-        _backend.run_if(
-            self,
-            ops.greater(self._micro_steps.value, 0),
-            lambda: self._apply_window(
-                [a.value for a in self._accumulators],
-                [True] * len(trainable_variables),
-                trainable_variables,
-            ),
+        pending = int(ops.convert_to_numpy(self._accum_micro_steps.value))
+        if pending == 0:
+            return
+        seen = ops.convert_to_numpy(self._accum_seen.value)
+        chosen = [
+            i
+            for i, variable in enumerate(self._trainable_variables)
+            if seen[i] and variable.trainable
+        ]
+        totals = {i: self._accum_sums[i].value for i in chosen}
+        finite = all(
+            np.isfinite(ops.convert_to_numpy(t)).all() for t in totals.values()
         )
+        if not finite:
+            warnings.warn(
+                f"{type(self).__name__}.flush(): the pending window of "
+                f"{pending} micro-batches holds non-finite gradients; it was "
+                "discarded and the weights were left unchanged.",
+                stacklevel=2,
+            )
+        if not finite or not chosen:
+            self._accum_end_window()
+            return
+        self._accum_apply_window(totals, chosen)
 
-    def _apply_window(self, totals, has_gradient, variables):
-        """Applies the mean of a window's gradients, then starts a new one.
+    def _accum_apply_window(self, totals, present):
+        """Applies the window's mean gradient, then starts a new window.
 
         Args:
-            totals: the sum of the window's gradients, one per variable of
-                `variables` (on torch: the accumulators themselves, which
-                the mean may overwrite).
-            has_gradient: one bool per variable: whether the call that
-                closes the window had a gradient for it. Variables without
-                one get `None`, and the parent optimizer skips them, as it
-                would; what the window had summed for them is dropped.
-            variables: the trainable variables, in the order of `totals`.
+            totals: `{variable index: the window's sum}` for the summed
+                variables (on torch the sums themselves, which the mean may
+                overwrite in place).
+            present: indices of the variables to update: those with a
+                gradient in the call that closes the window (as Keras'
+                own accumulation), or the ones `flush` chose. The window's
+                sums of the others are dropped.
 
-        Under `tf.distribute` the replicas' totals are summed here, once per
+        Under `tf.distribute` the replicas' sums are added here, once per
         window, so that clipping and the update see the global mean
-        gradient, as on one device with the global batch (Keras' own
-        optimizers clip each replica's share before summing).
-
-        The divisor is read from the counter variable here, not taken from
-        the tensor `apply` computed: captured into TensorFlow's XLA loop,
-        that tensor made every accumulating micro-step 0.7 ms slower (MLP,
-        RMSprop, `python -m benchmarks.window_steps --xla`).
+        gradient, as on one device with the global batch.
         """
-        micro_steps = self._micro_steps.value
-        present = [t for t, has in zip(totals, has_gradient) if has]
-        means = iter(
-            _backend.window_mean(
-                _backend.sum_over_replicas(present), micro_steps
-            )
+        variables = self._trainable_variables
+        summed = [i for i in present if i in totals]
+        # Read the count here, inside the branch: under TensorFlow's XLA
+        # loop, a tensor captured from outside costs every micro-step.
+        means = self._accum_window_mean(
+            self._accum_sum_over_replicas([totals[i] for i in summed]),
+            self._accum_micro_steps.value,
         )
-        grads = [
-            ops.cast(next(means), variable.dtype) if has else None
-            for has, variable in zip(has_gradient, variables)
-        ]
-        super().apply(grads, variables)
-        _backend.end_window(self)
-
-    def _all_reduce_sum_gradients(self, grads_and_vars):
-        # TensorFlow only (Keras' `TFOptimizer` reduces gradients across
-        # replicas here, every `apply`): a window's gradients are already
-        # summed over replicas by `_apply_window`.
-        if self.accum_iters == 1:
-            return super()._all_reduce_sum_gradients(grads_and_vars)
-        return grads_and_vars
-
-    def _accumulator_for(self, variable):
-        return self._accumulators[self._get_variable_index(variable)]
+        grads = dict(zip(summed, means))
+        for i in present:
+            if i not in totals:
+                grads[i] = self._accum_sums[i].value  # a window's maximum
+        super().apply(
+            [ops.cast(grads[i], variables[i].dtype) for i in present],
+            [variables[i] for i in present],
+        )
+        self._accum_end_window()
 
     # -- Keras 2 time decay ------------------------------------------------
 
@@ -383,35 +420,61 @@ class GradientAccumulation:
             ops.add(1.0, ops.multiply(self.decay, updates)),
         )
 
-    # -- Serialization -----------------------------------------------------
+    # -- Saving and loading ------------------------------------------------
 
     def save_own_variables(self, store):
         if self.accum_iters == 1 or not self.built:
             return super().save_own_variables(store)
-        # Between windows TensorFlow and JAX leave the last window's sums in
-        # the accumulators (the next micro-step overwrites them); save the
+        # Between windows the sums and the mask may still hold the last
+        # window's values (the next micro-step overwrites them); save the
         # empty window they stand for.
-        between_windows = int(ops.convert_to_numpy(self._micro_steps)) == 0
-        accumulators = {id(a) for a in self._accumulators}
+        between_windows = int(ops.convert_to_numpy(self._accum_micro_steps))
+        between_windows = between_windows == 0
+        stale = {id(v) for v in self._accum_sums + [self._accum_seen]}
         for i, variable in enumerate(self.variables):
-            value = variable.numpy()
-            if between_windows and id(variable) in accumulators:
+            value = ops.convert_to_numpy(variable.value)
+            if between_windows and id(variable) in stale:
                 value = np.zeros_like(value)
             store[str(i)] = value
 
     def load_own_variables(self, store):
-        if self.built and len(store.keys()) != len(self.variables):
-            raise ValueError(
-                f"Cannot restore the state of optimizer '{self.name}' "
-                f"({type(self).__name__}, accum_iters={self.accum_iters}): "
-                f"the checkpoint holds {len(store.keys())} optimizer "
-                f"variables, this optimizer has {len(self.variables)}. The "
-                "checkpoint was saved with a different optimizer or "
-                "accumulation configuration (accum_iters, amsgrad, momentum, "
-                "centered, use_ema, or a learning-rate schedule instead of a "
-                "float); rebuild the optimizer with the saved configuration."
+        values = [store[str(i)] for i in range(len(store.keys()))]
+        values = [np.array(value) for value in values]
+        if not self.built:
+            if len(values) == len(self.variables):
+                return super().load_own_variables(store)
+            # Saved after training, loaded before `build`: keep the values
+            # and restore them when the optimizer builds.
+            self._accum_pending_restore = tuple(values)
+            return
+        self._accum_restore(values)
+
+    def _accum_restore(self, values):
+        describe = (
+            f"'{self.name}' ({type(self).__name__}, "
+            f"accum_iters={self.accum_iters})"
+        )
+        pairs = plan_restore(
+            values, self._accum_layout, self.accum_iters, describe
+        )
+        variables = self.variables
+        for index, value in pairs:
+            if tuple(np.shape(value)) != tuple(variables[index].shape):
+                raise ValueError(
+                    f"Cannot restore the state of optimizer {describe}: "
+                    f"saved variable {index} has shape {np.shape(value)}, "
+                    f"'{variables[index].path}' has shape "
+                    f"{tuple(variables[index].shape)}."
+                )
+        restored = {index for index, _ in pairs}
+        for index, value in pairs:
+            variables[index].assign(value)
+        if self.accum_iters > 1 and self._accum_layout.parent not in restored:
+            # A state without a window: an empty one; micro-batches seen
+            # count one per update, as `accum_iters=1` would.
+            self._accum_micro_batches.assign(
+                ops.cast(self._iterations.value, "int32")
             )
-        super().load_own_variables(store)
 
     def get_config(self):
         config = super().get_config()
@@ -423,3 +486,30 @@ class GradientAccumulation:
             }
         )
         return config
+
+
+def _check_shape(grad, variable):
+    """Raises unless `grad`'s static shape fits `variable`'s exactly."""
+    if hasattr(grad, "dense_shape"):  # tf.IndexedSlices
+        shape = getattr(grad.values, "shape", None)
+        shape = None if shape is None else shape[1:]
+        expected = tuple(variable.shape)[1:]
+    else:
+        shape = getattr(grad, "shape", None)
+        expected = tuple(variable.shape)
+    if shape is None:
+        return
+    try:
+        dims = tuple(shape)
+    except ValueError:  # a TensorFlow shape of unknown rank
+        return
+    dims = tuple(None if d is None else int(d) for d in dims)
+    fits = len(dims) == len(expected) and all(
+        d is None or d == e for d, e in zip(dims, expected)
+    )
+    if not fits:
+        raise ValueError(
+            f"The gradient for variable '{variable.path}' has shape "
+            f"{dims}, but the variable has shape {expected}; they must be "
+            "equal (a gradient is never broadcast)."
+        )

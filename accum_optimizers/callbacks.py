@@ -60,7 +60,7 @@ class FlushAccumulation(keras.callbacks.Callback):
         if optimizer is None:
             raise ValueError(
                 "FlushAccumulation needs an accumulating optimizer "
-                "(AdamAccumulate, SGDAccumulate, RMSpropAccumulate). "
+                "(an `accum_optimizers` class or `accumulating(cls)`). "
                 f"Received: optimizer={self.model.optimizer!r}"
             )
         optimizer.flush()

@@ -144,7 +144,7 @@ def _placements(model, optimizer):
     (e.g. Adam's `_momentums`), whose placement Keras chose: the baseline.
     Scalars pair `iterations` (Keras') with our counters.
     """
-    slot_lists = {"accumulator": optimizer._accumulators}
+    slot_lists = {"accumulator": optimizer._accum_sums}
     for attribute in _PARENT_SLOT_ATTRIBUTES:
         slots = getattr(optimizer, attribute, None)
         if slots:
@@ -171,8 +171,8 @@ def _placements(model, optimizer):
         )
     scalars = {
         "iterations": _placement(optimizer._iterations),
-        "micro_steps": _placement(optimizer._micro_steps),
-        "micro_batches": _placement(optimizer._micro_batches),
+        "micro_steps": _placement(optimizer._accum_micro_steps),
+        "micro_batches": _placement(optimizer._accum_micro_batches),
     }
     return {"per_variable": per_variable, "scalars": scalars}
 

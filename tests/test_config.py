@@ -73,9 +73,8 @@ def test_non_float_accumulator_dtype_is_refused(bad):
 
 @pytest.mark.parametrize("bad", [-1e-5, "0.1", True])
 def test_bad_decay_is_refused(bad):
-    with pytest.warns(DeprecationWarning):
-        with pytest.raises(ValueError, match=f"decay={bad!r}"):
-            AdamAccumulate(decay=bad)
+    with pytest.raises(ValueError, match=f"decay={bad!r}"):
+        AdamAccumulate(decay=bad)
 
 
 def test_old_recipe_call_runs_with_deprecation_warnings():

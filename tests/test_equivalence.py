@@ -105,7 +105,7 @@ def test_accumulators_hold_the_running_sum_and_restart_after_update():
     optimizer = SGDAccumulate(accum_iters=3)
 
     def assert_accumulators(expected):
-        for accumulator, total in zip(optimizer._accumulators, expected):
+        for accumulator, total in zip(optimizer._accum_sums, expected):
             np.testing.assert_allclose(
                 keras.ops.convert_to_numpy(accumulator), total, rtol=1e-6
             )
@@ -120,7 +120,7 @@ def test_accumulators_hold_the_running_sum_and_restart_after_update():
     assert int(optimizer.micro_steps) == 0
     store = {}
     optimizer.save_own_variables(store)
-    accumulators = {id(a) for a in optimizer._accumulators}
+    accumulators = {id(a) for a in optimizer._accum_sums}
     for i, variable in enumerate(optimizer.variables):
         if id(variable) in accumulators:
             assert not np.any(store[str(i)])

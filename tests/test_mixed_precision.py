@@ -79,10 +79,10 @@ def test_accumulators_are_float32_for_float16_variables():
     variable = keras.Variable(np.ones(3), dtype="float16")
     optimizer = SGDAccumulate(accum_iters=2)
     optimizer.build([variable])
-    assert optimizer._accumulators[0].dtype == "float32"
+    assert optimizer._accum_sums[0].dtype == "float32"
     chosen = SGDAccumulate(accum_iters=2, accumulator_dtype="float16")
     chosen.build([variable])
-    assert chosen._accumulators[0].dtype == "float16"
+    assert chosen._accum_sums[0].dtype == "float16"
 
 
 def test_float16_variable_accumulates_tiny_gradients_in_float32():

@@ -1,0 +1,86 @@
+"""The accumulation hooks, with the defaults most backends use.
+
+`GradientAccumulation` (`_accumulation.py`) owns the counters, the checks and
+the window's bookkeeping; for the work of one micro-step it calls the hooks
+below, which a backend class (`tensorflow.py`, `jax.py`, `torch.py`)
+overrides where its cheapest arrangement differs, as Keras' own
+`TFOptimizer`, `JaxOptimizer` and `TorchOptimizer` override
+`BaseOptimizer`. Hooks are methods of the optimizer, prefixed `_accum_` so
+they never shadow a parent optimizer's own names.
+"""
+
+import contextlib
+
+from keras import ops
+
+
+class Accumulation:
+    """Default accumulation hooks (eager branching, `ops` arithmetic)."""
+
+    def _accum_colocate(self, reference):
+        """Context in which a new optimizer variable is placed with
+        `reference` (a model variable, or `None`)."""
+        return contextlib.nullcontext()
+
+    def _accum_outside_compiled_code(self):
+        """Context in which assignments run once, now, even while a
+        compiled function is being traced (restoring state in `build`)."""
+        return contextlib.nullcontext()
+
+    def _accum_micro_step(
+        self, sums, grads, new_window, update_switch, apply_window
+    ):
+        """One micro-step: add `grads` into `sums`, and close the window.
+
+        Args:
+            sums: the accumulator variables, one per gradient.
+            grads: this micro-batch's gradients; `None` adds nothing.
+            new_window: scalar bool, this is the window's first micro-step:
+                `sums` may hold the previous window's values (see
+                `_accum_end_window`) and must be overwritten.
+            update_switch: scalar bool, this is the window's last
+                micro-step.
+            apply_window: called as `apply_window(totals)`, with `totals`
+                the window's sums including `grads`, only when
+                `update_switch` is true.
+        """
+        self._accum_add(sums, grads, new_window)
+        self._accum_run_if(
+            update_switch, lambda: apply_window([s.value for s in sums])
+        )
+
+    def _accum_add(self, sums, grads, new_window):
+        """`sum += grad`, or `sum = grad` (zero for `None`) on a new window.
+
+        One select fused into the add: under XLA cheaper than zeroing the
+        sums in a separate pass.
+        """
+        for total, grad in zip(sums, grads):
+            if grad is None:
+                grad = ops.zeros(total.shape, total.dtype)
+                added = total.value
+            else:
+                grad = ops.cast(grad, total.dtype)
+                added = ops.add(total.value, grad)
+            total.assign(ops.where(new_window, grad, added))
+
+    def _accum_run_if(self, pred, fn):
+        """Runs `fn()`, which assigns variables, only when `pred` is true,
+        without computing its math otherwise."""
+        if bool(pred):
+            fn()
+
+    def _accum_sum_over_replicas(self, values):
+        """`values` summed over replicas; a no-op where programs see global
+        arrays (keras.distribution) or there is one replica."""
+        return values
+
+    def _accum_window_mean(self, totals, count):
+        """`totals / count`."""
+        return [ops.divide(t, ops.cast(count, t.dtype)) for t in totals]
+
+    def _accum_end_window(self):
+        """Starts a new window: the counter is zeroed; the sums are left for
+        the next window's first micro-step to overwrite."""
+        counter = self._accum_micro_steps
+        counter.assign(ops.zeros(counter.shape, counter.dtype))

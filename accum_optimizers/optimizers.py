@@ -1,0 +1,182 @@
+"""`accumulating(cls)`, and an accumulating class for every Keras optimizer.
+
+```python
+from accum_optimizers import AdamWAccumulate, accumulating
+
+optimizer = AdamWAccumulate(1e-3, weight_decay=0.01, accum_iters=4)
+MyAccumulate = accumulating(MyOptimizer)  # any keras.optimizers.Optimizer
+```
+"""
+
+import inspect
+
+import keras
+from keras.saving import register_keras_serializable
+
+from accum_optimizers import _keras_private
+from accum_optimizers._accumulation import GradientAccumulation
+
+_PACKAGE = "accum_optimizers"
+
+# One class per parent: calling `accumulating` twice returns the same class.
+_CLASSES = {}
+
+_NOT_ACCUMULABLE = (
+    keras.optimizers.LossScaleOptimizer,
+    keras.optimizers.MultiOptimizer,
+)
+
+_ACCUMULATION_ARGS = """\
+    accum_iters: Integer >= 1. Number of micro-batches (`apply` calls)
+        whose gradients are averaged into one update. Defaults to `1`,
+        which behaves exactly like `{parent}`.
+    accumulator_dtype: Dtype of the gradient sums: `"float16"`,
+        `"bfloat16"`, `"float32"` or `"float64"`. Defaults to `None`:
+        `"float32"` for `float16`/`bfloat16` variables, the variable's own
+        dtype otherwise.
+    lr: Deprecated Keras 2 alias of `learning_rate`; warns. Passing both is
+        an error.
+    decay: Deprecated Keras 2 time decay (`learning_rate /
+        (1 + decay * iterations)`, `iterations` counting applied updates);
+        warns. Defaults to `None`."""
+
+
+def accumulating(optimizer_class):
+    """Returns the accumulating subclass of a Keras optimizer class.
+
+    The class is named `<Name>Accumulate`, registered as Keras-serializable
+    (package `"accum_optimizers"`), and takes every argument of
+    `optimizer_class`, positionally in its order, plus `accum_iters` and
+    `accumulator_dtype` (keyword-only). Over `accum_iters` calls to `apply`
+    it adds up the gradients, then applies their mean once through
+    `optimizer_class`'s own update, so `accum_iters` micro-batches of size
+    `b` train exactly like one batch of `accum_iters * b`. Calling it twice
+    with one class returns the same class; an accumulating class is
+    returned as it is.
+
+    ```python
+    class MyOptimizer(keras.optimizers.Optimizer):
+        ...  # build() and update_step(), as any Keras optimizer
+
+    MyOptimizerAccumulate = accum_optimizers.accumulating(MyOptimizer)
+    model.compile(optimizer=MyOptimizerAccumulate(accum_iters=4), ...)
+    keras.saving.load_model(
+        path, custom_objects={"MyOptimizerAccumulate": MyOptimizerAccumulate}
+    )
+    ```
+
+    Args:
+        optimizer_class: a subclass of `keras.optimizers.Optimizer` (not a
+            wrapper such as `LossScaleOptimizer` or `MultiOptimizer`: wrap
+            accumulating optimizers in those instead).
+
+    Returns:
+        The accumulating class.
+    """
+    if isinstance(optimizer_class, type) and issubclass(
+        optimizer_class, GradientAccumulation
+    ):
+        return optimizer_class
+    if not (
+        isinstance(optimizer_class, type)
+        and issubclass(optimizer_class, keras.optimizers.Optimizer)
+    ):
+        raise TypeError(
+            "`optimizer_class` must be a subclass of "
+            "`keras.optimizers.Optimizer`. Received: "
+            f"optimizer_class={optimizer_class!r}"
+        )
+    if issubclass(optimizer_class, _NOT_ACCUMULABLE):
+        raise TypeError(
+            f"`{optimizer_class.__name__}` wraps other optimizers: wrap "
+            "accumulating optimizers in it instead. Received: "
+            f"optimizer_class={optimizer_class!r}"
+        )
+    if optimizer_class in _CLASSES:
+        return _CLASSES[optimizer_class]
+    name = f"{optimizer_class.__name__}Accumulate"
+    cls = type(
+        name,
+        (GradientAccumulation, _keras_private.fused_class(optimizer_class)),
+        {
+            "__module__": __name__,
+            "__qualname__": name,
+            "__doc__": _docstring(optimizer_class),
+            "__signature__": _signature(optimizer_class),
+            "_accum_parent": optimizer_class,
+        },
+    )
+    registered = keras.saving.get_registered_object(f"{_PACKAGE}>{name}")
+    if registered is not None:
+        raise ValueError(
+            f"Cannot make `{name}` for {optimizer_class!r}: that name is "
+            f"already registered for {registered._accum_parent!r}. Rename "
+            "one of the two optimizer classes."
+        )
+    _CLASSES[optimizer_class] = register_keras_serializable(_PACKAGE)(cls)
+    return cls
+
+
+def _signature(optimizer_class):
+    """The parent's signature plus the keyword-only accumulation args."""
+    parameters = list(
+        inspect.signature(optimizer_class.__init__).parameters.values()
+    )
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    extra = [
+        inspect.Parameter("accum_iters", keyword, default=1),
+        inspect.Parameter("accumulator_dtype", keyword, default=None),
+    ]
+    var_keyword = [
+        p for p in parameters if p.kind is inspect.Parameter.VAR_KEYWORD
+    ]
+    others = [p for p in parameters if p not in var_keyword]
+    positional = [p for p in others if p.kind is not keyword]
+    keyword_only = [p for p in others if p.kind is keyword]
+    return inspect.Signature(
+        positional + keyword_only + extra + var_keyword
+    )
+
+
+def _docstring(optimizer_class):
+    parent = f"{optimizer_class.__module__}.{optimizer_class.__name__}"
+    if parent.startswith("keras.src.optimizers."):
+        parent = f"keras.optimizers.{optimizer_class.__name__}"
+    name = optimizer_class.__name__
+    return (
+        f"{name} that updates the weights once per `accum_iters` "
+        "micro-batches.\n\n"
+        f"Each `apply` adds its gradients into per-variable sums; every "
+        f"`accum_iters`-th call applies their mean through `{parent}`'s own "
+        f"update, so `accum_iters` micro-batches of size `b` train exactly "
+        f"like one batch of size `accum_iters * b`. `iterations` counts "
+        "applied updates, so learning-rate schedules, EMA and bias "
+        "corrections see the big batch's step numbers.\n\n"
+        "```python\n"
+        f"model.compile(optimizer={name}Accumulate(accum_iters=4), ...)\n"
+        "model.fit(x, y, batch_size=16)  # trains like batch_size=64\n"
+        "```\n\n"
+        f"Args:\n"
+        f"    *args, **kwargs: every argument of `{parent}`, positionally in "
+        "its order or by name, as documented there (and below).\n"
+        f"{_ACCUMULATION_ARGS.format(parent=parent)}\n\n"
+        f"`{parent}`'s documentation:\n\n"
+        f"{inspect.cleandoc(optimizer_class.__doc__ or '')}\n"
+    )
+
+
+# Every optimizer Keras 3.15 ships.
+AdadeltaAccumulate = accumulating(keras.optimizers.Adadelta)
+AdafactorAccumulate = accumulating(keras.optimizers.Adafactor)
+AdagradAccumulate = accumulating(keras.optimizers.Adagrad)
+AdamAccumulate = accumulating(keras.optimizers.Adam)
+AdamWAccumulate = accumulating(keras.optimizers.AdamW)
+AdamaxAccumulate = accumulating(keras.optimizers.Adamax)
+FtrlAccumulate = accumulating(keras.optimizers.Ftrl)
+LambAccumulate = accumulating(keras.optimizers.Lamb)
+LionAccumulate = accumulating(keras.optimizers.Lion)
+MuonAccumulate = accumulating(keras.optimizers.Muon)
+NadamAccumulate = accumulating(keras.optimizers.Nadam)
+RMSpropAccumulate = accumulating(keras.optimizers.RMSprop)
+SGDAccumulate = accumulating(keras.optimizers.SGD)
+ScheduleFreeAdamWAccumulate = accumulating(keras.optimizers.ScheduleFreeAdamW)

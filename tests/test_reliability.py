@@ -1,0 +1,419 @@
+"""Off the happy path: every case ends exact or with an error naming the
+problem, never silently wrong. Oracles: the parent Keras optimizer fed the
+window's mean gradient, hand-computed values, Keras' own behaviour."""
+
+import copy
+import re
+import subprocess
+import sys
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from helpers import regression_data
+from helpers import small_model
+from modes import MODES
+from modes import applier
+
+from accum_optimizers import AdamAccumulate
+from accum_optimizers import FlushAccumulation
+from accum_optimizers import SGDAccumulate
+
+tensor = keras.ops.convert_to_tensor
+
+
+def _numpy(values):
+    return [
+        np.array(keras.ops.convert_to_numpy(getattr(v, "value", v)))
+        for v in values
+    ]
+
+
+def _variables(seed=0, shapes=((3, 2), (2,), (2, 1))):
+    rng = np.random.default_rng(seed)
+    return [
+        keras.Variable(rng.normal(size=s).astype("float32")) for s in shapes
+    ]
+
+
+def _draw(rng, variables, missing=()):
+    return [
+        None
+        if i in missing
+        else rng.normal(size=tuple(v.shape)).astype("float32")
+        for i, v in enumerate(variables)
+    ]
+
+
+def _parent_on_window_means(parent, variables, windows):
+    """The oracle: `parent` applies each window's mean gradient, a missing
+    gradient counting as zero; a variable without gradient in the window's
+    last call is not updated (as Keras' own accumulation)."""
+    for window in windows:
+        last = window[-1]
+        means, kept = [], []
+        for i, variable in enumerate(variables):
+            if last[i] is None:
+                continue
+            grads = [
+                np.zeros(variable.shape, "float32") if g[i] is None else g[i]
+                for g in window
+            ]
+            means.append(tensor(np.mean(grads, axis=0)))
+            kept.append(variable)
+        parent.apply(means, kept)
+
+
+def _assert_close(actual, expected, rtol=1e-5, atol=1e-6):
+    for a, e in zip(_numpy(actual), _numpy(expected)):
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol)
+
+
+# 1. Variables left out of a call ------------------------------------------
+
+
+@pytest.mark.parametrize("subset", [True, False], ids=["subset", "None"])
+@pytest.mark.parametrize("mode", MODES)
+def test_left_out_variables_count_as_none_in_every_mode(mode, subset):
+    if mode == "jit" and subset:
+        pytest.skip("stateless_apply takes one gradient per variable")
+    k = 3
+    rng = np.random.default_rng(1)
+    ours_vars = _variables()
+    ours = AdamAccumulate(0.1, accum_iters=k)
+    step = applier(ours, ours_vars, mode, subset=subset)
+    # Window 1 complete; windows 2-3 leave the head (variable 2) out of
+    # their first call, and a layer "unfrozen" in window 3's second call.
+    windows = [
+        [_draw(rng, ours_vars) for _ in range(k)],
+        [_draw(rng, ours_vars, missing={2})]
+        + [_draw(rng, ours_vars) for _ in range(k - 1)],
+        [_draw(rng, ours_vars, missing={0, 2})]
+        + [_draw(rng, ours_vars) for _ in range(k - 1)],
+    ]
+    for window in windows:
+        for grads in window:
+            step(grads)
+
+    parent_vars = _variables()
+    parent = keras.optimizers.Adam(0.1)
+    _parent_on_window_means(parent, parent_vars, windows)
+    _assert_close(ours_vars, parent_vars)
+    assert int(ours.iterations) == 3
+
+
+# 2. flush touches only what is trainable now and received gradient ----------
+
+
+@pytest.mark.parametrize("cls, parent_cls", [
+    (SGDAccumulate, keras.optimizers.SGD),
+    (AdamAccumulate, keras.optimizers.Adam),
+])
+def test_flush_leaves_frozen_and_gradient_less_layers_alone(cls, parent_cls):
+    options = {"learning_rate": 0.1}
+    if cls is SGDAccumulate:
+        options["momentum"] = 0.9
+    rng = np.random.default_rng(2)
+    ours_vars, parent_vars = _variables(), _variables()
+    ours, parent = cls(accum_iters=4, **options), parent_cls(**options)
+    window = [_draw(rng, ours_vars) for _ in range(4)]
+    for grads in window:  # a full window: momentum on every variable
+        ours.apply([tensor(g) for g in grads], ours_vars)
+    _parent_on_window_means(parent, parent_vars, [window])
+
+    pending = [_draw(rng, ours_vars, missing={2}) for _ in range(2)]
+    for grads in pending:
+        ours.apply(
+            [None if g is None else tensor(g) for g in grads], ours_vars
+        )
+    ours_vars[0].trainable = False  # frozen after build, mid-window
+    before = _numpy(ours_vars)
+    ours.flush()
+    after = _numpy(ours_vars)
+    np.testing.assert_array_equal(after[0], before[0])  # frozen now
+    np.testing.assert_array_equal(after[2], before[2])  # no gradient
+    means = [tensor(np.mean([g[1] for g in pending], axis=0))]
+    parent.apply(means, [parent_vars[1]])
+    _assert_close(ours_vars[1:2], parent_vars[1:2])
+    assert int(ours.micro_steps) == 0
+
+
+# 3. A call that raises changes nothing; shapes are never broadcast ---------
+
+
+def _state(optimizer, variables):
+    return _numpy(variables) + _numpy(optimizer.variables)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("position", [0, 1], ids=["first", "closing"])
+def test_a_wrong_shaped_gradient_raises_and_changes_nothing(mode, position):
+    k = 2
+    rng = np.random.default_rng(3)
+    ours_vars = _variables(shapes=((4, 1), (1,)))
+    ours = SGDAccumulate(1.0, accum_iters=k)
+    step = applier(ours, ours_vars, mode)
+    window = [_draw(rng, ours_vars) for _ in range(k)]
+    for grads in window[:position]:
+        step(grads)
+    before = _state(ours, ours_vars)
+    bad = [np.ones((1, 1), "float32"), window[position][1]]  # broadcasts
+    with pytest.raises(Exception, match=r"shape \(1, 1\).*\(4, 1\)"):
+        step(bad)
+    for a, b in zip(_state(ours, ours_vars), before):
+        np.testing.assert_array_equal(a, b)
+    for grads in window[position:]:
+        step(grads)
+    parent_vars = _variables(shapes=((4, 1), (1,)))
+    _parent_on_window_means(
+        keras.optimizers.SGD(1.0), parent_vars, [window]
+    )
+    _assert_close(ours_vars, parent_vars)
+
+
+def test_a_call_with_the_wrong_number_of_gradients_changes_nothing():
+    ours_vars = _variables()
+    ours = SGDAccumulate(accum_iters=2)
+    ours.build(ours_vars)
+    before = _state(ours, ours_vars)
+    with pytest.raises(ValueError, match="Received 2 gradients for 3"):
+        ours.apply([np.ones((3, 2)), np.ones(2)], ours_vars)
+    with pytest.raises(ValueError, match="No gradients provided"):
+        ours.apply([None, None, None], ours_vars)
+    for a, b in zip(_state(ours, ours_vars), before):
+        np.testing.assert_array_equal(a, b)
+
+
+# 4-6. Saving and loading ---------------------------------------------------
+
+
+def _compiled(accum_iters, seed=3, **options):
+    model = small_model(seed)
+    model.compile(
+        optimizer=AdamAccumulate(accum_iters=accum_iters, **options),
+        loss="mse",
+    )
+    return model
+
+
+@pytest.mark.parametrize("accum_iters", [1, 4])
+def test_a_model_saved_before_training_loads_and_trains(accum_iters, tmp_path):
+    x, y = regression_data(4, 16)
+    saved = _compiled(accum_iters)
+    path = tmp_path / "untrained.keras"
+    saved.save(path)
+    loaded = keras.saving.load_model(path)
+    loaded.fit(x, y, batch_size=2, shuffle=False, verbose=0)
+    saved.fit(x, y, batch_size=2, shuffle=False, verbose=0)
+    _assert_close(loaded.weights, saved.weights, rtol=1e-6, atol=1e-7)
+    assert int(loaded.optimizer.iterations) == 8 // accum_iters
+
+
+@pytest.mark.parametrize("accum_iters", [1, 4])
+def test_weights_only_resume_into_an_unbuilt_optimizer_is_exact(
+    accum_iters, tmp_path
+):
+    k, b = accum_iters, 2
+    x, y = regression_data(5, 4 * 4 * b)
+    first, second = slice(0, 6 * b), slice(6 * b, None)
+    uninterrupted = _compiled(k, amsgrad=True)
+    uninterrupted.fit(x, y, batch_size=b, shuffle=False, verbose=0)
+
+    path = tmp_path / "ckpt.weights.h5"
+    interrupted = _compiled(k, amsgrad=True)
+    interrupted.fit(
+        x[first],
+        y[first],
+        batch_size=b,
+        shuffle=False,
+        verbose=0,
+        callbacks=[
+            keras.callbacks.ModelCheckpoint(path, save_weights_only=True)
+        ],
+    )
+    restored = _compiled(k, amsgrad=True)  # optimizer not built
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "Skipping" warning
+        restored.load_weights(path)
+    restored.fit(x[second], y[second], batch_size=b, shuffle=False, verbose=0)
+    _assert_close(restored.weights, uninterrupted.weights, 1e-6, 1e-7)
+    _assert_close(
+        restored.optimizer.variables, uninterrupted.optimizer.variables,
+        1e-6, 1e-7,
+    )
+
+
+def test_deepcopy_of_a_built_optimizer_keeps_its_pending_window():
+    rng = np.random.default_rng(6)
+    ours_vars = _variables()
+    ours = AdamAccumulate(0.1, accum_iters=3)
+    window = [_draw(rng, ours_vars) for _ in range(3)]
+    for grads in window[:2]:
+        ours.apply([tensor(g) for g in grads], ours_vars)
+    copied = copy.deepcopy(ours)
+    copied.build(ours_vars)
+    assert int(copied.micro_steps) == 2
+    _assert_close(copied.variables, ours.variables, 0, 0)
+    copied.apply([tensor(g) for g in window[2]], ours_vars)
+    parent_vars = _variables()
+    _parent_on_window_means(keras.optimizers.Adam(0.1), parent_vars, [window])
+    _assert_close(ours_vars, parent_vars)
+
+
+def _saved_state(accum_iters, pending, windows=1):
+    rng = np.random.default_rng(7)
+    variables = _variables()
+    optimizer = AdamAccumulate(0.1, accum_iters=accum_iters)
+    calls = [_draw(rng, variables) for _ in range(windows * accum_iters)]
+    for grads in calls[: (windows - 1) * accum_iters + pending]:
+        optimizer.apply([tensor(g) for g in grads], variables)
+    store = {}
+    optimizer.save_own_variables(store)
+    return store, calls
+
+
+def test_a_pending_window_larger_than_accum_iters_is_refused():
+    store, _ = _saved_state(accum_iters=4, pending=3)
+    other = AdamAccumulate(0.1, accum_iters=2)
+    other.build(_variables())
+    before = _numpy(other.variables)
+    with pytest.raises(ValueError, match=r"3 micro-batches.*accum_iters=2"):
+        other.load_own_variables(store)
+    _assert_close(other.variables, before, 0, 0)  # nothing assigned
+
+
+def test_a_pending_window_that_fits_continues_under_a_larger_accum_iters():
+    store, calls = _saved_state(accum_iters=2, pending=1, windows=2)
+    variables = _variables()
+    parent = keras.optimizers.Adam(0.1)
+    _parent_on_window_means(parent, variables, [calls[:2]])
+    ours_vars = [keras.Variable(v) for v in _numpy(variables)]
+    ours = AdamAccumulate(0.1, accum_iters=3)
+    ours.build(ours_vars)
+    ours.load_own_variables(store)
+    assert int(ours.micro_steps) == 1
+    extra = _draw(np.random.default_rng(8), ours_vars)
+    for grads in [calls[3], extra]:
+        ours.apply([tensor(g) for g in grads], ours_vars)
+    _parent_on_window_means(parent, variables, [[calls[2], calls[3], extra]])
+    _assert_close(ours_vars, variables)
+    assert int(ours.iterations) == 2
+
+
+@pytest.mark.parametrize("micro_steps", [9, -3])
+def test_corrupt_counters_are_refused(micro_steps):
+    store, _ = _saved_state(accum_iters=4, pending=2)
+    optimizer = AdamAccumulate(0.1, accum_iters=4)
+    optimizer.build(_variables())
+    index = next(
+        i
+        for i, v in enumerate(optimizer.variables)
+        if v is optimizer._accum_micro_steps
+    )
+    store[str(index)] = np.array(micro_steps, "int32")
+    with pytest.raises(ValueError, match=f"micro.*{micro_steps}"):
+        optimizer.load_own_variables(store)
+
+
+def test_a_pending_window_cannot_load_into_accum_iters_1():
+    store, _ = _saved_state(accum_iters=4, pending=2)
+    optimizer = AdamAccumulate(0.1)
+    optimizer.build(_variables())
+    with pytest.raises(ValueError, match=r"2 micro-batches.*accum_iters=1"):
+        optimizer.load_own_variables(store)
+
+
+def test_a_state_saved_between_windows_loads_into_any_accum_iters():
+    store, calls = _saved_state(accum_iters=2, pending=0, windows=2)
+    for accum_iters in (1, 3):
+        optimizer = AdamAccumulate(0.1, accum_iters=accum_iters)
+        optimizer.build(_variables())
+        optimizer.load_own_variables(store)
+        assert int(optimizer.iterations) == 1
+        assert int(optimizer.micro_steps) == 0
+
+
+# 7. Construction -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"decay": float("inf")}, "decay=inf"),
+        ({"decay": 1e39}, "decay=1e+39"),
+        ({"accum_iters": 2**40}, f"accum_iters={2**40}"),
+        (
+            {"accum_iters": 2, "accumulator_dtype": "float8_e4m3fn"},
+            "accumulator_dtype='float8_e4m3fn'",
+        ),
+        (
+            {"accum_iters": 2, "accumulator_dtype": "bogus"},
+            "accumulator_dtype='bogus'",
+        ),
+        ({"lr": 0.1, "learning_rate": 0.001}, "learning_rate=0.001, lr=0.1"),
+    ],
+)
+def test_bad_configuration_fails_at_construction(kwargs, message):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises((ValueError, TypeError), match=re.escape(message)):
+            AdamAccumulate(**kwargs)
+
+
+# 8. A flush never applies a non-finite window -----------------------------
+
+
+def test_flush_after_terminate_on_nan_keeps_the_weights_finite():
+    x, y = regression_data(9, 24)
+    x[10] = np.nan  # micro-batch 6 of 12: the second window's second
+    model = _compiled(4)
+    with pytest.warns(UserWarning, match="non-finite"):
+        model.fit(
+            x,
+            y,
+            batch_size=2,
+            shuffle=False,
+            verbose=0,
+            callbacks=[keras.callbacks.TerminateOnNaN(), FlushAccumulation()],
+        )
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    assert int(model.optimizer.iterations) == 1
+    assert int(model.optimizer.micro_steps) == 0
+
+
+# 9. float8 scale variables keep the window's maximum ------------------------
+
+
+def test_overwrite_with_gradient_variables_take_the_window_maximum():
+    rng = np.random.default_rng(10)
+    scale = keras.Variable(np.zeros(3, "float32"))
+    scale.overwrite_with_gradient = True
+    kernel = keras.Variable(np.ones(3, "float32"))
+    ours = SGDAccumulate(0.1, accum_iters=3)
+    window = [rng.normal(size=(2, 3)).astype("float32") for _ in range(3)]
+    for i, (g_scale, g_kernel) in enumerate(window):
+        ours.apply([tensor(g_scale), tensor(g_kernel)], [scale, kernel])
+        if i < 2:
+            np.testing.assert_array_equal(_numpy([scale])[0], np.zeros(3))
+    np.testing.assert_allclose(
+        _numpy([scale])[0], np.max([w[0] for w in window], axis=0)
+    )
+    np.testing.assert_allclose(
+        _numpy([kernel])[0],
+        1 - 0.1 * np.mean([w[1] for w in window], axis=0),
+        rtol=1e-6,
+    )
+
+
+# 10. python -OO ------------------------------------------------------------
+
+
+def test_the_package_imports_under_python_oo():
+    result = subprocess.run(
+        [sys.executable, "-OO", "-c", "import accum_optimizers"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
