@@ -3,8 +3,9 @@ KerasTuner's chief and two workers (gRPC on 127.0.0.1), and two Optuna
 workers sharing a SQLite study. The processes run the examples; every wait
 is bounded and every process is killed at the end.
 
-One backend only: the processes are slow to start, and the examples' own
-tests cover every backend."""
+Each on one backend only (KerasTuner on JAX, Optuna on torch): the
+processes are slow to start, and the examples' own tests cover every
+backend."""
 
 import socket
 import subprocess
@@ -98,7 +99,7 @@ def test_kerastuner_chief_and_two_workers(tmp_path):
         assert "best model" not in outputs[worker]
 
 
-@pytest.mark.backends("jax")
+@pytest.mark.backends("torch")
 def test_optuna_two_workers_share_a_sqlite_study(tmp_path):
     optuna = pytest.importorskip("optuna")
     pytest.importorskip("sklearn")
