@@ -157,6 +157,9 @@ class AccumulationLogger(keras.callbacks.Callback):
         self.update_freq = (
             update_freq if update_freq == "epoch" else int(update_freq)
         )
+        # Keras may run batch-end callbacks in a thread while the next step
+        # trains; only a logger that reads nothing there allows it.
+        self.async_safe = self.update_freq == "epoch"
         self._writer = None
         self._batches = 0
         self._written = None
@@ -166,7 +169,7 @@ class AccumulationLogger(keras.callbacks.Callback):
         if optimizer is None:
             raise ValueError(
                 "AccumulationLogger needs an accumulating optimizer "
-                "(AdamAccumulate, SGDAccumulate, RMSpropAccumulate). "
+                "(AdamAccumulate, ..., or a class made by `accumulating`). "
                 f"Received: optimizer={self.model.optimizer!r}"
             )
         return optimizer
