@@ -472,9 +472,8 @@ class GradientAccumulation(BackendAccumulation):
         if self.accum_iters > 1 and self._accum_layout.parent not in restored:
             # A state without a window: an empty one; micro-batches seen
             # count one per update, as `accum_iters=1` would.
-            self._accum_micro_batches.assign(
-                ops.cast(self._iterations.value, "int32")
-            )
+            updates = ops.convert_to_numpy(self._iterations.value)
+            self._accum_micro_batches.assign(np.array(updates, "int32"))
 
     def get_config(self):
         config = super().get_config()

@@ -7,6 +7,7 @@ installed. Both write the same scalar summaries.
 """
 
 import importlib.util
+from typing import Union
 
 INSTALL_HINT = (
     "Writing TensorBoard event files needs the `tensorboard` package (or "
@@ -14,7 +15,7 @@ INSTALL_HINT = (
 )
 
 
-def available():
+def available() -> bool:
     """Whether `tensorboard` or TensorFlow is installed."""
     return any(
         importlib.util.find_spec(name) is not None
@@ -23,34 +24,34 @@ def available():
 
 
 class _TensorBoardWriter:
-    def __init__(self, logdir):
+    def __init__(self, logdir: str) -> None:
         from tensorboard.summary import Writer
 
         self._writer = Writer(logdir)
 
-    def scalar(self, tag, value, step):
+    def scalar(self, tag: str, value: float, step: int) -> None:
         self._writer.add_scalar(tag, value, step)
 
-    def close(self):
+    def close(self) -> None:
         self._writer.close()
 
 
 class _TFWriter:
-    def __init__(self, logdir):
+    def __init__(self, logdir: str) -> None:
         import tensorflow as tf
 
         self._summary = tf.summary
         self._writer = tf.summary.create_file_writer(logdir)
 
-    def scalar(self, tag, value, step):
+    def scalar(self, tag: str, value: float, step: int) -> None:
         with self._writer.as_default():
             self._summary.scalar(tag, value, step=step)
 
-    def close(self):
+    def close(self) -> None:
         self._writer.close()
 
 
-def scalar_writer(logdir):
+def scalar_writer(logdir: str) -> Union[_TensorBoardWriter, _TFWriter]:
     """A writer of scalar summaries to an event file in `logdir`.
 
     It has `scalar(tag, value, step)` and `close()`.

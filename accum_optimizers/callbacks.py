@@ -1,6 +1,9 @@
 """Keras callbacks for accumulating optimizers."""
 
 import os
+from typing import Any
+from typing import Optional
+from typing import Union
 
 import keras
 import numpy as np
@@ -10,7 +13,9 @@ from keras.saving import register_keras_serializable
 from accum_optimizers import _tensorboard
 
 
-def accumulating_optimizer(optimizer):
+def accumulating_optimizer(
+    optimizer: keras.optimizers.Optimizer,
+) -> Optional[keras.optimizers.Optimizer]:
     """The accumulating optimizer inside `optimizer`, or `None`.
 
     Unwraps `keras.optimizers.LossScaleOptimizer` (which `compile` adds under
@@ -42,7 +47,9 @@ class FlushAccumulation(keras.callbacks.Callback):
             stopped early with a window pending. Defaults to `True`.
     """
 
-    def __init__(self, every_epoch=True, at_train_end=True):
+    def __init__(
+        self, every_epoch: bool = True, at_train_end: bool = True
+    ) -> None:
         super().__init__()
         for name, value in (
             ("every_epoch", every_epoch),
@@ -55,7 +62,7 @@ class FlushAccumulation(keras.callbacks.Callback):
         self.every_epoch = every_epoch
         self.at_train_end = at_train_end
 
-    def _flush(self):
+    def _flush(self) -> None:
         optimizer = accumulating_optimizer(self.model.optimizer)
         if optimizer is None:
             raise ValueError(
@@ -65,16 +72,18 @@ class FlushAccumulation(keras.callbacks.Callback):
             )
         optimizer.flush()
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(
+        self, epoch: int, logs: Optional[dict[str, Any]] = None
+    ) -> None:
         last_epoch = epoch + 1 == self.params.get("epochs")
         if self.every_epoch or (self.at_train_end and last_epoch):
             self._flush()
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: Optional[dict[str, Any]] = None) -> None:
         if self.at_train_end:
             self._flush()
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {
             "every_epoch": self.every_epoch,
             "at_train_end": self.at_train_end,
@@ -134,7 +143,12 @@ class AccumulationLogger(keras.callbacks.Callback):
             (`"batch"` is `1`), so the progress bar shows them as it runs.
     """
 
-    def __init__(self, log_dir=None, batch_size=None, update_freq="epoch"):
+    def __init__(
+        self,
+        log_dir: Optional[Union[str, os.PathLike]] = None,
+        batch_size: Optional[int] = None,
+        update_freq: Union[str, int] = "epoch",
+    ) -> None:
         super().__init__()
         if log_dir is not None and not _tensorboard.available():
             raise ImportError(
@@ -164,17 +178,17 @@ class AccumulationLogger(keras.callbacks.Callback):
         self._batches = 0
         self._written = None
 
-    def _optimizer(self):
+    def _optimizer(self) -> keras.optimizers.Optimizer:
         optimizer = accumulating_optimizer(self.model.optimizer)
         if optimizer is None:
             raise ValueError(
                 "AccumulationLogger needs an accumulating optimizer "
-                "(AdamAccumulate, ..., or a class made by `accumulating`). "
+                "(an `accum_optimizers` class or `accumulating(cls)`). "
                 f"Received: optimizer={self.model.optimizer!r}"
             )
         return optimizer
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: Optional[dict[str, Any]] = None) -> None:
         self._optimizer()  # Fails before the first batch, not after it.
         self._batches = 0
         self._written = None
@@ -183,17 +197,21 @@ class AccumulationLogger(keras.callbacks.Callback):
                 os.path.join(self.log_dir, "train")
             )
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(
+        self, batch: int, logs: Optional[dict[str, Any]] = None
+    ) -> None:
         if self.update_freq == "epoch":
             return
         self._batches += 1
         if self._batches % self.update_freq == 0:
             self._log(logs, new_updates_only=True)
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(
+        self, epoch: int, logs: Optional[dict[str, Any]] = None
+    ) -> None:
         self._log(logs, new_updates_only=False)
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: Optional[dict[str, Any]] = None) -> None:
         if self._writer is None:
             return
         # A window flushed by `FlushAccumulation.on_train_end`.
@@ -201,7 +219,9 @@ class AccumulationLogger(keras.callbacks.Callback):
         self._writer.close()
         self._writer = None
 
-    def _log(self, logs, new_updates_only):
+    def _log(
+        self, logs: Optional[dict[str, Any]], new_updates_only: bool
+    ) -> None:
         optimizer = self._optimizer()
         updates = int(ops.convert_to_numpy(optimizer.iterations))
         micro_steps = int(ops.convert_to_numpy(optimizer.micro_steps))
@@ -228,7 +248,7 @@ class AccumulationLogger(keras.callbacks.Callback):
         for name, value in scalars.items():
             self._writer.scalar(f"accumulation/{name}", value, step=updates)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {
             "log_dir": self.log_dir,
             "batch_size": self.batch_size,
@@ -236,7 +256,7 @@ class AccumulationLogger(keras.callbacks.Callback):
         }
 
 
-def _is_positive_int(value):
+def _is_positive_int(value: Any) -> bool:
     return (
         isinstance(value, (int, np.integer))
         and not isinstance(value, (bool, np.bool_))

@@ -9,8 +9,9 @@ replicas TensorFlow's MirroredStrategy and JAX's DataParallel, MLP only), one
 worker process times, side by side, every configuration of every workload and
 optimizer (see `worker.py`): warm-up, then `--repeats` interleaved rounds,
 medians. Fresh processes then measure the peak RSS of the memory-relevant
-configurations (Adam). Writes `results.json`, `results.md` (tables and the
-issue's ratios, each marked met or not) and `results.png` to `--out`.
+configurations (Adam). Writes `results.json` (every round of every
+configuration), `results.md` (samples/s, ratios, memory) and `results.png`
+(samples/s relative to the parent) to `--out`.
 `--smoke` runs a few steps of everything on the given modes, for the tests.
 """
 
@@ -38,8 +39,7 @@ MODES = {
 DISTRIBUTED_MODES = ("tensorflow-mirrored", "jax-dataparallel")
 # jax-dataparallel is not run by default: on a 2-core host, XLA's CPU
 # all-reduce between 2 emulated devices can deadlock when several compiled
-# MLP models share the process (a rendezvous timeout aborts it); see
-# docs/benchmarks.md.
+# MLP models share the process (a rendezvous timeout aborts it).
 DEFAULT_MODES = [mode for mode in MODES if mode != "jax-dataparallel"]
 MEMORY_CONFIGS = ["parent", "keras_builtin_k4", "ours_k4", "parent_4b"]
 MEMORY_WORKLOADS = ["mlp", "convnet", "transformer"]

@@ -13,11 +13,10 @@ add-only ceiling and Keras' built-in `gradient_accumulation_steps=4`, with
 Adam, SGD with momentum and RMSprop. The four configurations of an
 optimizer are built side by side in one process, warmed up for one window
 each, then timed alternately, in 10 rounds of `--windows / 10` windows
-each, so that a drift of the process's speed falls on all of them (timed
-one after another, TensorFlow's SGD looked 4% slower than the built-in;
-alternated, the two were equal). Prints ms per call (median over
-`--windows`, default 100), the mean over the window and, on JAX, the
-number of `copy` instructions in the compiled step. Ours should cost the
+each, so that a drift of the process's speed falls on all of them. Prints
+ms per call (median over `--windows`, default 100), the mean over the
+window and, on JAX, the number of `copy` instructions in the compiled
+step. Ours should cost the
 ceiling on steps 1-3 and the parent on step 4.
 """
 

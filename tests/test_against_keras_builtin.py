@@ -4,8 +4,8 @@ Both are compared with the same oracle, the parent optimizer on the
 concatenated batch. With a constant learning rate and no EMA both match. With
 a learning-rate schedule, Keras' built-in calls the schedule with the
 micro-step count, and with EMA it moves the average every micro-step, so it
-diverges from the big-batch run; ours matches. docs/keras-builtin.md cites
-these tests.
+diverges from the big-batch run; ours matches. The guide
+docs/migrate/keras-gradient-accumulation-steps.md cites these tests.
 """
 
 import keras

@@ -1,8 +1,8 @@
-"""The benchmark command, in smoke mode, and the profile scripts, on the
+"""The benchmark command, in smoke mode, and the window profiler, on the
 current backend.
 
 Only checks that they run and write their JSON, markdown table and chart
-(the profiles: print their table); timing ratios are never asserted in
+(the profiler: prints its table); timing ratios are never asserted in
 tests.
 """
 
@@ -45,22 +45,14 @@ def test_benchmark_smoke_run_writes_json_table_and_chart(tmp_path):
     assert all(r["samples_per_s"] > 0 for r in results["timings"])
     assert results["memory"] and results["memory"][0]["peak_rss_bytes"] > 0
     table = (tmp_path / "results.md").read_text()
-    for column in ("ours4/parent", "ours4/keras", "ours4/ceiling", "state"):
+    for column in ("ours4/parent", "ours4/keras", "ours4/ideal", "state"):
         assert column in table
+    # A report on the product, not on an acceptance gate.
+    assert "**NO**" not in table and "bar" not in table
     assert (tmp_path / "results.png").stat().st_size > 1000
 
 
 PROFILES = [
-    pytest.param(
-        ["benchmarks.xla_gate", "--calls", "2"],
-        marks=pytest.mark.backends("tensorflow"),
-        id="xla_gate",
-    ),
-    pytest.param(
-        ["benchmarks.jax_gate", "--calls", "2"],
-        marks=pytest.mark.backends("jax"),
-        id="jax_gate",
-    ),
     pytest.param(
         ["benchmarks.window_steps", "--windows", "2", "--optimizers", "adam"],
         id="window_steps-adam",
@@ -71,16 +63,11 @@ PROFILES = [
         marks=pytest.mark.backends("tensorflow"),
         id="window_steps-adam-xla",
     ),
-    pytest.param(
-        ["benchmarks.cold_update", "--calls", "2", "--touch", "1"],
-        marks=pytest.mark.backends("tensorflow", "torch"),
-        id="cold_update",
-    ),
 ]
 
 
 @pytest.mark.parametrize("command", PROFILES)
-def test_profile_scripts_run_and_print_their_table(command):
+def test_window_profiler_runs_and_prints_its_table(command):
     result = subprocess.run(
         [sys.executable, "-m", *command],
         cwd=ROOT,
@@ -90,5 +77,5 @@ def test_profile_scripts_run_and_print_their_table(command):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line[:2] == "| "]
-    # The header and a row per gate, configuration or optimizer.
+    # The header and a row per configuration.
     assert len(rows) >= 4

@@ -98,7 +98,7 @@ def _tokens(rng, repeat):
         # On TensorFlow, Keras' Adam squares an `IndexedSlices` gradient
         # slice by slice, so with a token repeated in the big batch its
         # second moment is not that of the summed gradient, which is what
-        # the window's mean is (docs/accumulation.md). Unique tokens here.
+        # the window's mean is (docs/how-it-works.md). Unique tokens here.
         (keras.optimizers.Adam, dict(amsgrad=True), False),
     ],
     ids=["SGD-repeated-tokens", "Adam-unique-tokens"],

@@ -1,8 +1,11 @@
 """Project promises: README's commands, CI, the demo."""
 
+import contextlib
+import io
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,14 +29,73 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert tests in ci_lines
 
 
-def test_demo_trains_both_runs_to_the_same_weights(capsys):
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """One short demo run with `--plot`: its runs, stdout and PNG path."""
     pytest.importorskip("sklearn")
+    pytest.importorskip("matplotlib")
     from accum_optimizers import demo
 
-    difference = demo.main(["--epochs", "1", "--accum-iters", "3"])
+    png = tmp_path_factory.mktemp("demo") / "demo.png"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        runs = demo.main(
+            ["--epochs", "1", "--accum-iters", "3", "--train-images", "480"]
+            + ["--plot", str(png)]
+        )
+    return runs, out.getvalue(), png
+
+
+def test_demo_matches_the_big_batch_where_the_contrast_runs_do_not(
+    demo_run,
+):
+    runs, out, _ = demo_run
+    for label in (
+        "Adam, batch 48",
+        "AdamAccumulate(accum_iters=3), batch 16",
+        "Adam, batch 16",
+        "Adam(gradient_accumulation_steps=3), batch 16",
+    ):
+        assert label in out
+    # The oracle is Keras' own Adam on the big batch (the first run).
+    big, ours, small, builtin = runs
+    reference = big.model.get_weights()
+
+    def distance(run):
+        return max(
+            float(np.max(np.abs(a - b)))
+            for a, b in zip(run.model.get_weights(), reference)
+        )
+
+    assert distance(ours) < 1e-5
+    assert distance(small) > 1e-2
+    # Its schedule sees micro-steps: same gradients, other learning rates.
+    assert distance(builtin) > 1e-3
+    assert int(ours.model.optimizer.iterations) == int(
+        big.model.optimizer.iterations
+    )
+    assert "calls the schedule with micro-steps" in out
+    assert "Timings" in out
+
+
+def test_demo_plot_writes_a_png(demo_run):
+    _, out, png = demo_run
+    assert f"plot: {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.stat().st_size > 10_000
+
+
+def test_demo_help_describes_every_flag(capsys):
+    from accum_optimizers import demo
+
+    with pytest.raises(SystemExit):
+        demo.main(["--help"])
     out = capsys.readouterr().out
-    assert "AdamAccumulate(accum_iters=3), batch 16" in out
-    assert difference < 1e-5
+    flags = ("--accum-iters", "--micro-batch", "--epochs", "--train-images")
+    flags += ("--seed", "--plot")
+    for flag in flags:
+        line = next(x for x in out.splitlines() if x.strip().startswith(flag))
+        assert len(line.split(maxsplit=2)) == 3, line  # flag, value, help
 
 
 def test_test_runner_reports_a_missing_backend_as_skipped_and_fails(

@@ -1,0 +1,146 @@
+"""A user's own optimizer through `accumulating`, `MultiOptimizer` of
+accumulating optimizers, and `LossScaleOptimizer` around one: each equals
+its non-accumulating counterpart on the big batch in `model.fit`."""
+
+import keras
+import numpy as np
+import pytest
+from helpers import regression_data
+from helpers import small_model
+from keras import ops
+
+from accum_optimizers import AdamAccumulate
+from accum_optimizers import SGDAccumulate
+from accum_optimizers import accumulating
+
+K, B = 4, 2
+
+
+@keras.saving.register_keras_serializable(package="tests")
+class DampedMomentum(keras.optimizers.Optimizer):
+    """A user's optimizer: momentum, with steps damped by their size."""
+
+    def __init__(self, learning_rate=0.05, momentum=0.5, name=None, **kwargs):
+        super().__init__(learning_rate=learning_rate, name=name, **kwargs)
+        self.momentum = momentum
+
+    def build(self, variables):
+        if self.built:
+            return
+        super().build(variables)
+        self._velocities = self.add_optimizer_variables(variables, "velocity")
+
+    def update_step(self, gradient, variable, learning_rate):
+        velocity = self._velocities[self._get_variable_index(variable)]
+        self.assign(velocity, self.momentum * velocity + gradient)
+        step = ops.cast(learning_rate, variable.dtype) * velocity
+        self.assign_sub(variable, step / (1.0 + ops.abs(velocity)))
+
+    def get_config(self):
+        config = super().get_config()
+        config["momentum"] = self.momentum
+        return config
+
+
+DampedMomentumAccumulate = accumulating(DampedMomentum)
+
+
+def _fit(optimizer, batch_size, x, y, model=None, epochs=1):
+    model = model or small_model(7)
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False,
+              verbose=0)
+    return model
+
+
+def _assert_same_weights(ours, parent):
+    for actual, expected in zip(ours.get_weights(), parent.get_weights()):
+        np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_the_factory_names_and_caches_the_class():
+    assert DampedMomentumAccumulate.__name__ == "DampedMomentumAccumulate"
+    assert accumulating(DampedMomentum) is DampedMomentumAccumulate
+    assert issubclass(DampedMomentumAccumulate, DampedMomentum)
+    optimizer = DampedMomentumAccumulate(0.1, 0.9, accum_iters=3)
+    assert (optimizer.momentum, optimizer.accum_iters) == (0.9, 3)
+
+
+@pytest.mark.parametrize(
+    "bad", [keras.optimizers.LossScaleOptimizer, keras.layers.Dense, "Adam"]
+)
+def test_the_factory_refuses_what_is_not_an_optimizer_class(bad):
+    with pytest.raises(TypeError, match="optimizer_class"):
+        accumulating(bad)
+
+
+def test_a_users_optimizer_equals_itself_on_the_big_batch():
+    x, y = regression_data(7, 6 * K * B)
+    parent = _fit(DampedMomentum(), K * B, x, y)
+    ours = _fit(DampedMomentumAccumulate(accum_iters=K), B, x, y)
+    _assert_same_weights(ours, parent)
+    assert int(ours.optimizer.iterations) == 6
+
+
+def test_a_users_optimizer_saved_mid_window_resumes_with_custom_objects(
+    tmp_path,
+):
+    x, y = regression_data(8, 2 * K * B)
+    uninterrupted = _fit(DampedMomentumAccumulate(accum_iters=K), B, x, y)
+    interrupted = _fit(
+        DampedMomentumAccumulate(accum_iters=K), B, x[: 5 * B], y[: 5 * B]
+    )
+    path = tmp_path / "custom.keras"
+    interrupted.save(path)
+    restored = keras.saving.load_model(
+        path,
+        custom_objects={
+            "DampedMomentumAccumulate": DampedMomentumAccumulate,
+            "DampedMomentum": DampedMomentum,
+        },
+    )
+    assert type(restored.optimizer) is DampedMomentumAccumulate
+    assert int(restored.optimizer.micro_steps) == 1
+    restored.fit(x[5 * B :], y[5 * B :], batch_size=B, shuffle=False,
+                 verbose=0)
+    for actual, expected in zip(
+        restored.get_weights(), uninterrupted.get_weights()
+    ):
+        np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-7)
+
+
+def _multi(sgd, adam):
+    return keras.optimizers.MultiOptimizer(
+        keras.optimizers.OptimizerMap(sgd, {"sequential/dense_1/.*": adam})
+    )
+
+
+def test_multi_optimizer_of_accumulating_optimizers_equals_big_batch():
+    x, y = regression_data(9, 5 * K * B)
+    parent = _fit(
+        _multi(keras.optimizers.SGD(0.1, momentum=0.9),
+               keras.optimizers.Adam(0.01)),
+        K * B, x, y,
+    )
+    keras.backend.clear_session()
+    ours = _fit(
+        _multi(SGDAccumulate(0.1, momentum=0.9, accum_iters=K),
+               AdamAccumulate(0.01, accum_iters=K)),
+        B, x, y,
+    )
+    _assert_same_weights(ours, parent)
+    for inner in ours.optimizer.optimizers:
+        assert int(inner.iterations) == 5
+
+
+def test_loss_scale_optimizer_around_an_accumulating_one_equals_big_batch():
+    x, y = regression_data(10, 5 * K * B)
+    parent = _fit(keras.optimizers.Adam(0.01), K * B, x, y)
+    ours = _fit(
+        keras.optimizers.LossScaleOptimizer(
+            AdamAccumulate(0.01, accum_iters=K), initial_scale=2.0**10
+        ),
+        B, x, y,
+    )
+    _assert_same_weights(ours, parent)
+    assert int(ours.optimizer.inner_optimizer.iterations) == 5

@@ -1,0 +1,195 @@
+"""A stateful property test: random sequences of what users do to an
+accumulating optimizer, checked after every step against an independent
+reference: a numpy model of the window and the parent Keras optimizer fed
+the window's mean gradient."""
+
+import keras
+import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine
+from hypothesis.stateful import initialize
+from hypothesis.stateful import invariant
+from hypothesis.stateful import precondition
+from hypothesis.stateful import rule
+
+from accum_optimizers import AdamAccumulate
+from accum_optimizers import SGDAccumulate
+
+SHAPES = ((3, 2), (2,), (2, 1))
+CLASSES = {
+    "adam": (AdamAccumulate, keras.optimizers.Adam, {"learning_rate": 0.05}),
+    "sgd": (
+        SGDAccumulate,
+        keras.optimizers.SGD,
+        {"learning_rate": 0.1, "momentum": 0.9},
+    ),
+}
+grad_values = st.integers(0, 2**32 - 1).map(
+    lambda seed: [
+        np.random.default_rng(seed).normal(size=s).astype("float32")
+        for s in SHAPES
+    ]
+)
+
+
+def _numpy(values):
+    return [
+        np.array(keras.ops.convert_to_numpy(getattr(v, "value", v)))
+        for v in values
+    ]
+
+
+class AccumulationMachine(RuleBasedStateMachine):
+    @initialize(
+        name=st.sampled_from(sorted(CLASSES)), accum_iters=st.integers(2, 4)
+    )
+    def setup(self, name, accum_iters):
+        keras.backend.clear_session()
+        cls, parent_cls, self.options = CLASSES[name]
+        self.cls, self.accum_iters = cls, accum_iters
+        initial = [np.full(s, 0.5, "float32") for s in SHAPES]
+        self.variables = [keras.Variable(v) for v in initial]
+        self.optimizer = cls(accum_iters=accum_iters, **self.options)
+        self.optimizer.build(self.variables)
+        self.reference = [keras.Variable(v) for v in initial]
+        self.parent = parent_cls(**self.options)
+        self.parent.build(self.reference)
+        self.window = []  # the reference's pending calls: lists with None
+        self.frozen = False
+
+    # -- The reference ---------------------------------------------------
+
+    def _reference_apply(self, indices, calls):
+        means = []
+        for i in indices:
+            grads = [
+                np.zeros(SHAPES[i], "float32") if c[i] is None else c[i]
+                for c in calls
+            ]
+            means.append(keras.ops.convert_to_tensor(np.mean(grads, 0)))
+        if indices:
+            self.parent.apply(means, [self.reference[i] for i in indices])
+
+    def _call(self, grads, subset):
+        """One micro-step of ours and of the reference."""
+        if self.frozen:
+            grads = [None] + grads[1:]  # fit passes trainable ones only
+        if all(g is None for g in grads):
+            return
+        tensor = keras.ops.convert_to_tensor
+        if subset:
+            kept = [i for i, g in enumerate(grads) if g is not None]
+            self.optimizer.apply(
+                [tensor(grads[i]) for i in kept],
+                [self.variables[i] for i in kept],
+            )
+        else:
+            self.optimizer.apply(
+                [None if g is None else tensor(g) for g in grads],
+                self.variables,
+            )
+        self.window.append(grads)
+        if len(self.window) == self.accum_iters:
+            present = [i for i, g in enumerate(grads) if g is not None]
+            self._reference_apply(present, self.window)
+            self.window = []
+
+    # -- Rules -------------------------------------------------------------
+
+    @rule(grads=grad_values)
+    def apply_all(self, grads):
+        self._call(grads, subset=False)
+
+    @rule(
+        grads=grad_values,
+        missing=st.sets(st.integers(0, len(SHAPES) - 1), min_size=1),
+        subset=st.booleans(),
+    )
+    def apply_some(self, grads, missing, subset):
+        self._call(
+            [None if i in missing else g for i, g in enumerate(grads)], subset
+        )
+
+    @rule(grads=grad_values, position=st.integers(0, len(SHAPES) - 1))
+    def apply_that_raises(self, grads, position):
+        grads[position] = np.ones((1,) * len(SHAPES[position]), "float32")
+        before = _numpy(self.variables) + _numpy(self.optimizer.variables)
+        try:
+            self.optimizer.apply(
+                [keras.ops.convert_to_tensor(g) for g in grads],
+                self.variables,
+            )
+        except ValueError as error:
+            assert "shape" in str(error)
+        else:
+            raise AssertionError("a wrong-shaped gradient was accepted")
+        after = _numpy(self.variables) + _numpy(self.optimizer.variables)
+        for a, b in zip(after, before):
+            np.testing.assert_array_equal(a, b)
+
+    @rule()
+    def freeze_or_unfreeze(self):
+        self.frozen = not self.frozen
+        self.variables[0].trainable = not self.frozen
+
+    @rule()
+    def flush(self):
+        self.optimizer.flush()
+        if self.window:
+            present = [
+                i
+                for i in range(len(SHAPES))
+                if any(c[i] is not None for c in self.window)
+                and not (i == 0 and self.frozen)
+            ]
+            self._reference_apply(present, self.window)
+            self.window = []
+
+    @rule(before_build=st.booleans())
+    def save_and_load(self, before_build):
+        store = {}
+        self.optimizer.save_own_variables(store)
+        restored = self.cls(accum_iters=self.accum_iters, **self.options)
+        if before_build:  # weights-only resume: load, then build
+            restored.load_own_variables(store)
+            restored.build(self.variables)
+        else:
+            restored.build(self.variables)
+            restored.load_own_variables(store)
+        self.optimizer = restored
+
+    @precondition(lambda self: self.window)
+    @rule(accum_iters=st.integers(2, 5))
+    def load_into_another_accum_iters(self, accum_iters):
+        store = {}
+        self.optimizer.save_own_variables(store)
+        restored = self.cls(accum_iters=accum_iters, **self.options)
+        restored.build(self.variables)
+        try:
+            restored.load_own_variables(store)
+        except ValueError as error:
+            assert len(self.window) >= accum_iters, error
+            return
+        assert len(self.window) < accum_iters
+        self.optimizer, self.accum_iters = restored, accum_iters
+
+    # -- Invariants --------------------------------------------------------
+
+    @invariant()
+    def same_weights_and_state_as_the_reference(self):
+        for ours, expected in zip(
+            _numpy(self.variables), _numpy(self.reference)
+        ):
+            np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-6)
+        parent_state = _numpy(self.parent.variables)
+        ours_state = _numpy(self.optimizer.variables[: len(parent_state)])
+        for ours, expected in zip(ours_state, parent_state):
+            np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-6)
+        assert int(self.optimizer.micro_steps) == len(self.window)
+
+
+AccumulationMachine.TestCase.settings = settings(
+    settings.default, stateful_step_count=20
+)
+TestAccumulationMachine = AccumulationMachine.TestCase
