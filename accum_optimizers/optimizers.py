@@ -95,6 +95,14 @@ def accumulating(optimizer_class):
     if optimizer_class in _CLASSES:
         return _CLASSES[optimizer_class]
     name = f"{optimizer_class.__name__}Accumulate"
+
+    def __init__(self, *args, **kwargs):
+        GradientAccumulation.__init__(self, *args, **kwargs)
+
+    # The signature users, `help()` and the API docs see: the parent's
+    # arguments in its order, then the accumulation arguments.
+    __init__.__signature__ = _signature(optimizer_class)
+    __init__.__qualname__ = f"{name}.__init__"
     cls = type(
         name,
         (GradientAccumulation, _keras_private.fused_class(optimizer_class)),
@@ -102,7 +110,7 @@ def accumulating(optimizer_class):
             "__module__": __name__,
             "__qualname__": name,
             "__doc__": _docstring(optimizer_class),
-            "__signature__": _signature(optimizer_class),
+            "__init__": __init__,
             "_accum_parent": optimizer_class,
         },
     )
@@ -161,8 +169,31 @@ def _docstring(optimizer_class):
         "its order or by name, as documented there (and below).\n"
         f"{_ACCUMULATION_ARGS.format(parent=parent)}\n\n"
         f"`{parent}`'s documentation:\n\n"
-        f"{inspect.cleandoc(optimizer_class.__doc__ or '')}\n"
+        f"{_parent_docstring(optimizer_class)}\n"
     )
+
+
+_BASE_ARGS = """\
+weight_decay: Float. If set, weight decay is applied.
+    clipnorm: Float. If set, each gradient is clipped to this norm.
+    clipvalue: Float. If set, each gradient is clipped to this value.
+    global_clipnorm: Float. If set, the gradients are clipped so that
+        their global norm is no higher than this value.
+    use_ema: Boolean. Whether to keep a moving average of the weights.
+    ema_momentum: Float. Momentum of that moving average.
+    ema_overwrite_frequency: Int or `None`. Every how many updates the
+        weights are overwritten by their moving average.
+    loss_scale_factor: Float or `None`. Loss scale; gradients are divided
+        by it before they are applied.
+    gradient_accumulation_steps: Keras' own accumulation; refused together
+        with `accum_iters > 1`.
+    name: String. The name of the optimizer."""
+
+
+def _parent_docstring(optimizer_class):
+    text = inspect.cleandoc(optimizer_class.__doc__ or "")
+    # Keras' Muon leaves its template's placeholder unfilled.
+    return text.replace("{{base_optimizer_keyword_args}}", _BASE_ARGS)
 
 
 # Every optimizer Keras 3.15 ships.

@@ -6,7 +6,7 @@ selects the result with `lax.cond`. Here the update runs in the body of a
 `lax.while_loop` that runs zero times or once, so XLA executes the update
 math only on the window's last micro-step. A loop rather than `lax.cond`:
 XLA copies every array a conditional returns on every call, taken or not
-(see docs/performance.md for the figures).
+(docs/benchmarks.md has the figures).
 """
 
 import jax
