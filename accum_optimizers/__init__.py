@@ -6,13 +6,14 @@ exactly as their Keras parent would on a `k` times larger batch.
 `accumulating(cls)` makes the same of any Keras optimizer class.
 """
 
+from accum_optimizers.callbacks import AccumulationLogger
 from accum_optimizers.callbacks import FlushAccumulation
 from accum_optimizers.layers import AccumBatchNormalization
 from accum_optimizers.optimizers import AdadeltaAccumulate
 from accum_optimizers.optimizers import AdafactorAccumulate
 from accum_optimizers.optimizers import AdagradAccumulate
-from accum_optimizers.optimizers import AdamaxAccumulate
 from accum_optimizers.optimizers import AdamAccumulate
+from accum_optimizers.optimizers import AdamaxAccumulate
 from accum_optimizers.optimizers import AdamWAccumulate
 from accum_optimizers.optimizers import FtrlAccumulate
 from accum_optimizers.optimizers import LambAccumulate
@@ -28,6 +29,7 @@ __version__ = "0.2.0.dev0"
 
 __all__ = [
     "AccumBatchNormalization",
+    "AccumulationLogger",
     "AdadeltaAccumulate",
     "AdafactorAccumulate",
     "AdagradAccumulate",

@@ -1,10 +1,16 @@
 """Keras callbacks for accumulating optimizers."""
 
+import os
 from typing import Any
 from typing import Optional
+from typing import Union
 
 import keras
+import numpy as np
+from keras import ops
 from keras.saving import register_keras_serializable
+
+from accum_optimizers import _tensorboard
 
 
 def accumulating_optimizer(
@@ -82,3 +88,177 @@ class FlushAccumulation(keras.callbacks.Callback):
             "every_epoch": self.every_epoch,
             "at_train_end": self.at_train_end,
         }
+
+
+@register_keras_serializable(package="accum_optimizers")
+class AccumulationLogger(keras.callbacks.Callback):
+    """Shows applied updates and the pending window in `fit`'s logs.
+
+    `fit` counts micro-batches (the progress bar's steps); the weights move
+    once per window of `accum_iters` of them. At the end of every epoch (and,
+    with `update_freq`, after every few batches) this callback adds two
+    entries to `logs`:
+
+    - `updates`: applied updates, `optimizer.iterations`;
+    - `micro_steps`: micro-batches pending in the current window.
+
+    The progress bar then shows them beside the loss (as floats:
+    `updates: 12.0000`), `History` records their values at each epoch's end,
+    and callbacks listed after this one (`keras.callbacks.TensorBoard`,
+    `CSVLogger`) see them too. List it after `FlushAccumulation` so that
+    the epoch's values include the flushed window.
+
+    With `log_dir`, it also writes these TensorBoard scalars to
+    `log_dir/train`, the run where `keras.callbacks.TensorBoard(log_dir)`
+    writes its training scalars, each with step = applied updates:
+
+    - `accumulation/updates`: applied updates;
+    - `accumulation/micro_batches`: micro-batches seen
+      (`optimizer.micro_batches_seen`);
+    - `accumulation/window_fill`: `micro_steps / accum_iters`, from 0 (no
+      window pending) up to `(accum_iters - 1) / accum_iters`;
+    - `accumulation/effective_batch_size`: `batch_size * accum_iters`, the
+      batch one update averages over (only when `batch_size` is given; a
+      flushed partial window averages over fewer samples).
+
+    A point is written at each epoch's end and, with `update_freq`, after
+    batches that applied an update. The event file is written by the
+    `tensorboard` package (or TensorFlow's `tf.summary` where only
+    TensorFlow is installed), on every Keras backend.
+
+    On JAX, reading the optimizer's counters after a batch makes Keras
+    attach the training state to the model (as any callback that reads
+    `self.model` does), so `update_freq=1` costs some speed there.
+
+    Args:
+        log_dir: Path-like or `None`. The directory given to
+            `keras.callbacks.TensorBoard`. `None` (the default) writes no
+            event files, only `logs`.
+        batch_size: Integer >= 1 or `None`. The `batch_size` given to
+            `fit`, for `accumulation/effective_batch_size`. Defaults to
+            `None` (that scalar is not written).
+        update_freq: `"epoch"`, `"batch"` or an integer `N >= 1`. With
+            `"epoch"` (the default), the values are logged at the end of
+            each epoch only; with `N`, also after every `N` training batches
+            (`"batch"` is `1`), so the progress bar shows them as it runs.
+    """
+
+    def __init__(
+        self,
+        log_dir: Optional[Union[str, os.PathLike]] = None,
+        batch_size: Optional[int] = None,
+        update_freq: Union[str, int] = "epoch",
+    ) -> None:
+        super().__init__()
+        if log_dir is not None and not _tensorboard.available():
+            raise ImportError(
+                f"{_tensorboard.INSTALL_HINT} Received: log_dir={log_dir!r}"
+            )
+        if batch_size is not None and not _is_positive_int(batch_size):
+            raise ValueError(
+                "`batch_size` must be an integer >= 1 or None. "
+                f"Received: batch_size={batch_size!r}"
+            )
+        if update_freq == "batch":
+            update_freq = 1
+        if update_freq != "epoch" and not _is_positive_int(update_freq):
+            raise ValueError(
+                '`update_freq` must be "epoch", "batch" or an integer >= 1. '
+                f"Received: update_freq={update_freq!r}"
+            )
+        self.log_dir = None if log_dir is None else os.fspath(log_dir)
+        self.batch_size = None if batch_size is None else int(batch_size)
+        self.update_freq = (
+            update_freq if update_freq == "epoch" else int(update_freq)
+        )
+        # Keras may run batch-end callbacks in a thread while the next step
+        # trains; only a logger that reads nothing there allows it.
+        self.async_safe = self.update_freq == "epoch"
+        self._writer = None
+        self._batches = 0
+        self._written = None
+
+    def _optimizer(self) -> keras.optimizers.Optimizer:
+        optimizer = accumulating_optimizer(self.model.optimizer)
+        if optimizer is None:
+            raise ValueError(
+                "AccumulationLogger needs an accumulating optimizer "
+                "(an `accum_optimizers` class or `accumulating(cls)`). "
+                f"Received: optimizer={self.model.optimizer!r}"
+            )
+        return optimizer
+
+    def on_train_begin(self, logs: Optional[dict[str, Any]] = None) -> None:
+        self._optimizer()  # Fails before the first batch, not after it.
+        self._batches = 0
+        self._written = None
+        if self.log_dir is not None:
+            self._writer = _tensorboard.scalar_writer(
+                os.path.join(self.log_dir, "train")
+            )
+
+    def on_train_batch_end(
+        self, batch: int, logs: Optional[dict[str, Any]] = None
+    ) -> None:
+        if self.update_freq == "epoch":
+            return
+        self._batches += 1
+        if self._batches % self.update_freq == 0:
+            self._log(logs, new_updates_only=True)
+
+    def on_epoch_end(
+        self, epoch: int, logs: Optional[dict[str, Any]] = None
+    ) -> None:
+        self._log(logs, new_updates_only=False)
+
+    def on_train_end(self, logs: Optional[dict[str, Any]] = None) -> None:
+        if self._writer is None:
+            return
+        # A window flushed by `FlushAccumulation.on_train_end`.
+        self._log(None, new_updates_only=False)
+        self._writer.close()
+        self._writer = None
+
+    def _log(
+        self, logs: Optional[dict[str, Any]], new_updates_only: bool
+    ) -> None:
+        optimizer = self._optimizer()
+        updates = int(ops.convert_to_numpy(optimizer.iterations))
+        micro_steps = int(ops.convert_to_numpy(optimizer.micro_steps))
+        if isinstance(logs, dict):
+            logs["updates"] = updates
+            logs["micro_steps"] = micro_steps
+        if self._writer is None:
+            return
+        last = self._written or (None, None)
+        if (updates, micro_steps) == last or (
+            new_updates_only and updates == last[0]
+        ):
+            return
+        self._written = (updates, micro_steps)
+        accum_iters = optimizer.accum_iters
+        seen = int(ops.convert_to_numpy(optimizer.micro_batches_seen))
+        scalars = {
+            "updates": updates,
+            "micro_batches": seen,
+            "window_fill": micro_steps / accum_iters,
+        }
+        if self.batch_size is not None:
+            scalars["effective_batch_size"] = self.batch_size * accum_iters
+        for name, value in scalars.items():
+            self._writer.scalar(f"accumulation/{name}", value, step=updates)
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            "log_dir": self.log_dir,
+            "batch_size": self.batch_size,
+            "update_freq": self.update_freq,
+        }
+
+
+def _is_positive_int(value: Any) -> bool:
+    return (
+        isinstance(value, (int, np.integer))
+        and not isinstance(value, (bool, np.bool_))
+        and value >= 1
+    )

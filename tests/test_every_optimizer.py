@@ -174,7 +174,9 @@ def test_accum_iters_1_is_the_parent(name):
     parent_cls = getattr(keras.optimizers, name)
     cls = getattr(accum_optimizers, f"{name}Accumulate")
     optimizer = cls()
-    _check_against_parent(parent_cls, {}, 1, _windows(2, 1, 3), _step(optimizer))
+    _check_against_parent(
+        parent_cls, {}, 1, _windows(2, 1, 3), _step(optimizer)
+    )
     assert len(optimizer.variables) == len(
         _built(parent_cls()).variables
     )
