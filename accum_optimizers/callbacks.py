@@ -11,6 +11,14 @@ from keras import ops
 from keras.saving import register_keras_serializable
 
 from accum_optimizers import _tensorboard
+from accum_optimizers.layers import AccumBatchNormalization
+
+
+def _nested_layers(layer):
+    """Every layer inside `layer`, nested models included."""
+    for inner in getattr(layer, "layers", []):
+        yield inner
+        yield from _nested_layers(inner)
 
 
 def accumulating_optimizer(
@@ -36,7 +44,8 @@ class FlushAccumulation(keras.callbacks.Callback):
     are applied as one update averaged over the micro-batches they hold: 10
     batches with `accum_iters=4` give updates from 4, 4 and 2 batches, the
     groupings of a parent-optimizer run with `batch_size=4*b` (whose last
-    batch is short).
+    batch is short). The pending windows of the model's
+    `AccumBatchNormalization` layers are flushed with it.
 
     Args:
         every_epoch: Boolean. Flush at the end of every epoch. Defaults to
@@ -71,6 +80,9 @@ class FlushAccumulation(keras.callbacks.Callback):
                 f"Received: optimizer={self.model.optimizer!r}"
             )
         optimizer.flush()
+        for layer in _nested_layers(self.model):
+            if isinstance(layer, AccumBatchNormalization):
+                layer.flush()
 
     def on_epoch_end(
         self, epoch: int, logs: Optional[dict[str, Any]] = None

@@ -141,9 +141,7 @@ def _signature(optimizer_class):
     others = [p for p in parameters if p not in var_keyword]
     positional = [p for p in others if p.kind is not keyword]
     keyword_only = [p for p in others if p.kind is keyword]
-    return inspect.Signature(
-        positional + keyword_only + extra + var_keyword
-    )
+    return inspect.Signature(positional + keyword_only + extra + var_keyword)
 
 
 def _docstring(optimizer_class):

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from accum_optimizers import AccumBatchNormalization
 from accum_optimizers import AdamAccumulate
+from accum_optimizers import FlushAccumulation
 from accum_optimizers._keras_private import BATCH_NORMALIZATION_ATTRIBUTES
 from accum_optimizers.layers import with_accum_batch_norm
 
@@ -242,6 +243,30 @@ def test_fit_with_accumulation_moves_statistics_like_the_big_batch(mode):
         _values(ours.layers[0]), _values(parent.layers[0]), scale=30.0
     )
     assert int(_numpy(ours.layers[0].window_calls)) == 0
+
+
+def test_flush_accumulation_flushes_the_layers_with_the_optimizer():
+    k, b, n = 3, 4, 32  # each epoch ends with 2 micro-batches pending
+    x = _data(6, [n], (3,))[0]
+    y = np.random.default_rng(6).normal(size=(n, 1)).astype("float32")
+    ours = _input_bn_model(AccumBatchNormalization(accum_iters=k))
+    ours.compile(optimizer=AdamAccumulate(accum_iters=k), loss="mse")
+    ours.fit(
+        x,
+        y,
+        batch_size=b,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[FlushAccumulation()],
+    )
+    parent = _input_bn_model(keras.layers.BatchNormalization())
+    parent.compile(optimizer=keras.optimizers.Adam(), loss="mse")
+    parent.fit(x, y, batch_size=k * b, epochs=2, shuffle=False, verbose=0)
+    assert int(_numpy(ours.layers[0].window_calls)) == 0
+    _assert_close(
+        _values(ours.layers[0]), _values(parent.layers[0]), scale=30.0
+    )
 
 
 def _fit_accumulating(model, x, y, b):

@@ -48,8 +48,9 @@ DampedMomentumAccumulate = accumulating(DampedMomentum)
 def _fit(optimizer, batch_size, x, y, model=None, epochs=1):
     model = model or small_model(7)
     model.compile(optimizer=optimizer, loss="mse")
-    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False,
-              verbose=0)
+    model.fit(
+        x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0
+    )
     return model
 
 
@@ -101,8 +102,7 @@ def test_a_users_optimizer_saved_mid_window_resumes_with_custom_objects(
     )
     assert type(restored.optimizer) is DampedMomentumAccumulate
     assert int(restored.optimizer.micro_steps) == 1
-    restored.fit(x[5 * B :], y[5 * B :], batch_size=B, shuffle=False,
-                 verbose=0)
+    restored.fit(x[5 * B :], y[5 * B :], batch_size=B, shuffle=False, verbose=0)
     for actual, expected in zip(
         restored.get_weights(), uninterrupted.get_weights()
     ):
@@ -118,15 +118,22 @@ def _multi(sgd, adam):
 def test_multi_optimizer_of_accumulating_optimizers_equals_big_batch():
     x, y = regression_data(9, 5 * K * B)
     parent = _fit(
-        _multi(keras.optimizers.SGD(0.1, momentum=0.9),
-               keras.optimizers.Adam(0.01)),
-        K * B, x, y,
+        _multi(
+            keras.optimizers.SGD(0.1, momentum=0.9), keras.optimizers.Adam(0.01)
+        ),
+        K * B,
+        x,
+        y,
     )
     keras.backend.clear_session()
     ours = _fit(
-        _multi(SGDAccumulate(0.1, momentum=0.9, accum_iters=K),
-               AdamAccumulate(0.01, accum_iters=K)),
-        B, x, y,
+        _multi(
+            SGDAccumulate(0.1, momentum=0.9, accum_iters=K),
+            AdamAccumulate(0.01, accum_iters=K),
+        ),
+        B,
+        x,
+        y,
     )
     _assert_same_weights(ours, parent)
     for inner in ours.optimizer.optimizers:
@@ -140,7 +147,9 @@ def test_loss_scale_optimizer_around_an_accumulating_one_equals_big_batch():
         keras.optimizers.LossScaleOptimizer(
             AdamAccumulate(0.01, accum_iters=K), initial_scale=2.0**10
         ),
-        B, x, y,
+        B,
+        x,
+        y,
     )
     _assert_same_weights(ours, parent)
     assert int(ours.optimizer.inner_optimizer.iterations) == 5

@@ -71,9 +71,7 @@ def test_every_optimizer_keras_exports_has_an_accumulating_class():
 def _variables():
     rng = np.random.default_rng(0)
     return [
-        keras.Variable(
-            rng.normal(size=shape).astype("float32"), name=name
-        )
+        keras.Variable(rng.normal(size=shape).astype("float32"), name=name)
         for name, shape in VARIABLES.items()
     ]
 
@@ -177,9 +175,7 @@ def test_accum_iters_1_is_the_parent(name):
     _check_against_parent(
         parent_cls, {}, 1, _windows(2, 1, 3), _step(optimizer)
     )
-    assert len(optimizer.variables) == len(
-        _built(parent_cls()).variables
-    )
+    assert len(optimizer.variables) == len(_built(parent_cls()).variables)
 
 
 def _built(optimizer):

@@ -106,10 +106,13 @@ def test_left_out_variables_count_as_none_in_every_mode(mode, subset):
 # 2. flush touches only what is trainable now and received gradient ----------
 
 
-@pytest.mark.parametrize("cls, parent_cls", [
-    (SGDAccumulate, keras.optimizers.SGD),
-    (AdamAccumulate, keras.optimizers.Adam),
-])
+@pytest.mark.parametrize(
+    "cls, parent_cls",
+    [
+        (SGDAccumulate, keras.optimizers.SGD),
+        (AdamAccumulate, keras.optimizers.Adam),
+    ],
+)
 def test_flush_leaves_frozen_and_gradient_less_layers_alone(cls, parent_cls):
     options = {"learning_rate": 0.1}
     if cls is SGDAccumulate:
@@ -124,9 +127,7 @@ def test_flush_leaves_frozen_and_gradient_less_layers_alone(cls, parent_cls):
 
     pending = [_draw(rng, ours_vars, missing={2}) for _ in range(2)]
     for grads in pending:
-        ours.apply(
-            [None if g is None else tensor(g) for g in grads], ours_vars
-        )
+        ours.apply([None if g is None else tensor(g) for g in grads], ours_vars)
     ours_vars[0].trainable = False  # frozen after build, mid-window
     before = _numpy(ours_vars)
     ours.flush()
@@ -166,9 +167,7 @@ def test_a_wrong_shaped_gradient_raises_and_changes_nothing(mode, position):
     for grads in window[position:]:
         step(grads)
     parent_vars = _variables(shapes=((4, 1), (1,)))
-    _parent_on_window_means(
-        keras.optimizers.SGD(1.0), parent_vars, [window]
-    )
+    _parent_on_window_means(keras.optimizers.SGD(1.0), parent_vars, [window])
     _assert_close(ours_vars, parent_vars)
 
 
@@ -239,8 +238,10 @@ def test_weights_only_resume_into_an_unbuilt_optimizer_is_exact(
     restored.fit(x[second], y[second], batch_size=b, shuffle=False, verbose=0)
     _assert_close(restored.weights, uninterrupted.weights, 1e-6, 1e-7)
     _assert_close(
-        restored.optimizer.variables, uninterrupted.optimizer.variables,
-        1e-6, 1e-7,
+        restored.optimizer.variables,
+        uninterrupted.optimizer.variables,
+        1e-6,
+        1e-7,
     )
 
 
@@ -425,7 +426,8 @@ def test_a_window_saved_by_0_1_0_without_the_gradient_mask_resumes():
     variables = _variables()
     optimizer.build(variables)
     mask = next(
-        i for i, v in enumerate(optimizer.variables)
+        i
+        for i, v in enumerate(optimizer.variables)
         if v is optimizer._accum_seen
     )
     old = [store[str(i)] for i in range(len(store)) if i != mask]

@@ -52,9 +52,7 @@ class TFAccumulation(Accumulation):
             )
 
         def window():
-            apply_window(
-                [_plus(s.value, grad) for s, grad in zip(sums, grads)]
-            )
+            apply_window([_plus(s.value, grad) for s, grad in zip(sums, grads)])
             return tf.constant(True)
 
         def add():
