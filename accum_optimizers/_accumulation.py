@@ -44,9 +44,11 @@ from keras import ops
 from accum_optimizers._backend import BackendAccumulation
 from accum_optimizers._restore import Layout
 from accum_optimizers._restore import plan_restore
-from accum_optimizers._validation import validate_accum_iters
+from accum_optimizers._validation import validate_accum_iters_or_schedule
 from accum_optimizers._validation import validate_accumulator_dtype
 from accum_optimizers._validation import validate_decay
+from accum_optimizers.schedules import AccumSchedule
+from accum_optimizers.schedules import PiecewiseConstantAccumIters
 
 _LOW_PRECISION_DTYPES = ("float16", "bfloat16")
 
@@ -60,9 +62,12 @@ class GradientAccumulation(BackendAccumulation):
 
     Args:
         *args: the parent optimizer's positional arguments, in its order.
-        accum_iters: Integer >= 1. Number of micro-batches (`apply` calls)
-            whose gradients are averaged into one update. Defaults to `1`,
-            the parent optimizer unchanged.
+        accum_iters: Integer >= 1, dict or `AccumSchedule`. Number of
+            micro-batches (`apply` calls) whose gradients are averaged into
+            one update. A dict `{update: k}` (first key `0`) or an
+            `AccumSchedule` makes it a function of applied updates (see
+            `accum_optimizers.schedules`). Defaults to `1`, the parent
+            optimizer unchanged.
         accumulator_dtype: Optional dtype of the gradient sums, one of
             `"float16"`, `"bfloat16"`, `"float32"`, `"float64"`. Defaults
             to `None`: `"float32"` for `float16`/`bfloat16` variables, the
@@ -85,12 +90,15 @@ class GradientAccumulation(BackendAccumulation):
         decay=None,
         **kwargs,
     ):
-        accum_iters = validate_accum_iters(accum_iters)
+        accum_iters = validate_accum_iters_or_schedule(accum_iters)
+        schedule = (
+            accum_iters if isinstance(accum_iters, AccumSchedule) else None
+        )
         accumulator_dtype = validate_accumulator_dtype(accumulator_dtype)
         decay = validate_decay(decay)
         arguments = self._accum_parent_arguments(args, kwargs, lr)
         steps = arguments.arguments.get("gradient_accumulation_steps")
-        if accum_iters > 1 and steps:
+        if (schedule or accum_iters > 1) and steps:
             raise ValueError(
                 "Pass either `accum_iters` or Keras' own "
                 "`gradient_accumulation_steps`, not both: together they would "
@@ -107,7 +115,15 @@ class GradientAccumulation(BackendAccumulation):
                 stacklevel=2,
             )
         super().__init__(*arguments.args[1:], **arguments.kwargs)
+        if isinstance(schedule, PiecewiseConstantAccumIters):
+            accum_iters = dict(schedule.boundaries)
         self.accum_iters = accum_iters
+        self._accum_schedule = schedule
+        # Whether a window may close on its first micro-step (`k = 1` in a
+        # schedule), which the backends' cheapest arrangements rule out.
+        self._accum_may_close_on_first = schedule is not None and (
+            schedule.min_accum_iters == 1
+        )
         self.accumulator_dtype = accumulator_dtype
         self.decay = decay
 
@@ -148,7 +164,7 @@ class GradientAccumulation(BackendAccumulation):
         unbuilt = len(self.variables)
         super().build(variables)
         parent = len(self.variables)
-        if self.accum_iters > 1:
+        if self._accumulates:
             self._accum_micro_steps = self._accum_add_variable(
                 "accum_micro_steps", shape=(), dtype="int32"
             )
@@ -210,12 +226,33 @@ class GradientAccumulation(BackendAccumulation):
     # -- Introspection -----------------------------------------------------
 
     @property
+    def _accumulates(self):
+        """False for `accum_iters=1`: the parent optimizer unchanged."""
+        return self._accum_schedule is not None or self.accum_iters > 1
+
+    def _accum_window_size(self, updates=None):
+        """`k` for the window that produces the next update: an int, or an
+        int32 tensor under a schedule. `updates` defaults to
+        `iterations`."""
+        if self._accum_schedule is None:
+            return self.accum_iters
+        if updates is None:
+            updates = self._iterations.value
+        return ops.cast(self._accum_schedule(updates), "int32")
+
+    @property
+    def current_accum_iters(self):
+        """The window size now, as a Python int (`accum_iters`, or the
+        schedule's value at the current number of applied updates)."""
+        return int(ops.convert_to_numpy(self._accum_window_size()))
+
+    @property
     def micro_steps(self):
         """Micro-batches held in the pending window, `0..accum_iters - 1`.
 
         Always `0` with `accum_iters=1`. `iterations` counts applied updates.
         """
-        if self.accum_iters == 1 or not self.built:
+        if not self._accumulates or not self.built:
             return ops.zeros((), dtype="int32")
         return self._accum_micro_steps.value
 
@@ -226,14 +263,14 @@ class GradientAccumulation(BackendAccumulation):
         Micro-steps dropped by a `LossScaleOptimizer` for non-finite
         gradients never reach this optimizer and are not counted.
         """
-        if self.accum_iters == 1 or not self.built:
+        if not self._accumulates or not self.built:
             return self.iterations
         return self._accum_micro_batches.value
 
     @property
     def last_apply_updated(self):
         """Whether the last `apply` (or `flush`) updated the weights."""
-        if self.accum_iters == 1:
+        if not self._accumulates:
             return ops.greater(self.iterations, 0)
         if not self.built:
             return ops.convert_to_tensor(False)
@@ -245,7 +282,7 @@ class GradientAccumulation(BackendAccumulation):
     # -- The mechanism -----------------------------------------------------
 
     def apply(self, grads, trainable_variables=None):
-        if self.accum_iters == 1:
+        if not self._accumulates:
             return super().apply(grads, trainable_variables)
         grads = list(grads)
         if not grads:
@@ -265,7 +302,9 @@ class GradientAccumulation(BackendAccumulation):
             self._accum_micro_batches.assign(self._accum_micro_batches + 1)
             new_window = ops.equal(micro_steps, 1)
             # update_switch: the window is full.
-            update_switch = ops.greater_equal(micro_steps, self.accum_iters)
+            update_switch = ops.greater_equal(
+                micro_steps, self._accum_window_size()
+            )
             self._accum_mark_seen(has_gradient, new_window)
             for i in np.flatnonzero(overwrite):
                 self._accum_keep_maximum(self._accum_sums[i], grads[i])
@@ -347,7 +386,7 @@ class GradientAccumulation(BackendAccumulation):
         (the `FlushAccumulation` callback does, at the end of epochs or of
         training).
         """
-        if self.accum_iters == 1 or not self.built:
+        if not self._accumulates or not self.built:
             return
         pending = int(ops.convert_to_numpy(self._accum_micro_steps.value))
         if pending == 0:
@@ -423,7 +462,7 @@ class GradientAccumulation(BackendAccumulation):
     # -- Saving and loading ------------------------------------------------
 
     def save_own_variables(self, store):
-        if self.accum_iters == 1 or not self.built:
+        if not self._accumulates or not self.built:
             return super().save_own_variables(store)
         # Between windows the sums and the mask may still hold the last
         # window's values (the next micro-step overwrites them); save the
@@ -455,7 +494,12 @@ class GradientAccumulation(BackendAccumulation):
             f"accum_iters={self.accum_iters})"
         )
         pairs = plan_restore(
-            values, self._accum_layout, self.accum_iters, describe
+            values,
+            self._accum_layout,
+            lambda updates: int(
+                ops.convert_to_numpy(self._accum_window_size(updates))
+            ),
+            describe,
         )
         variables = self.variables
         for index, value in pairs:
@@ -469,7 +513,7 @@ class GradientAccumulation(BackendAccumulation):
         restored = {index for index, _ in pairs}
         for index, value in pairs:
             variables[index].assign(value)
-        if self.accum_iters > 1 and self._accum_layout.parent not in restored:
+        if self._accumulates and self._accum_layout.parent not in restored:
             # A state without a window: an empty one; micro-batches seen
             # count one per update, as `accum_iters=1` would.
             updates = ops.convert_to_numpy(self._iterations.value)
@@ -477,14 +521,27 @@ class GradientAccumulation(BackendAccumulation):
 
     def get_config(self):
         config = super().get_config()
+        accum_iters = self.accum_iters
+        if isinstance(accum_iters, AccumSchedule):
+            accum_iters = keras.saving.serialize_keras_object(accum_iters)
         config.update(
             {
-                "accum_iters": self.accum_iters,
+                "accum_iters": accum_iters,
                 "accumulator_dtype": self.accumulator_dtype,
                 "decay": self.decay,
             }
         )
         return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        accum_iters = config.get("accum_iters")
+        if isinstance(accum_iters, dict) and "class_name" in accum_iters:
+            config = dict(config)
+            config["accum_iters"] = keras.saving.deserialize_keras_object(
+                accum_iters, custom_objects=custom_objects
+            )
+        return super().from_config(config, custom_objects=custom_objects)
 
 
 def _check_shape(grad, variable):

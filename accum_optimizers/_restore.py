@@ -33,15 +33,15 @@ class Layout:
         return self.total > self.parent
 
 
-def plan_restore(values, layout, accum_iters, describe):
+def plan_restore(values, layout, window_size_at, describe):
     """Checks saved `values` against `layout`; returns what to assign.
 
     Returns a list of `(index, value)` pairs; the variables it leaves out
     keep their fresh values (an empty window). Raises `ValueError`, naming
     the problem, for a state this optimizer cannot continue exactly:
 
-    - a saved pending window that `accum_iters` cannot hold (it holds
-      `accum_iters - 1` micro-batches at most);
+    - a saved pending window that the window size cannot hold (it holds
+      `k - 1` micro-batches at most, `k = window_size_at(iterations)`);
     - counters that no run produces (negative, or more pending micro-batches
       than seen);
     - a variable count that matches none of: this configuration, the same
@@ -51,7 +51,8 @@ def plan_restore(values, layout, accum_iters, describe):
     Args:
         values: the saved arrays, in order.
         layout: the `Layout` of the optimizer being restored.
-        accum_iters: its `accum_iters`.
+        window_size_at: maps a number of applied updates to the window size
+            (`accum_iters`, or its schedule's value).
         describe: a string naming the optimizer, for error messages.
     """
     count = len(values)
@@ -94,7 +95,7 @@ def plan_restore(values, layout, accum_iters, describe):
             "use_ema, or a learning-rate schedule instead of a float); "
             "rebuild the optimizer with the saved configuration."
         )
-    _check_counters(parent, window, accum_iters, describe)
+    _check_counters(parent, window, window_size_at, describe)
     pairs = list(enumerate(parent))
     if window and layout.has_window:
         pairs += [(layout.parent + i, v) for i, v in enumerate(window)]
@@ -107,7 +108,7 @@ def _is_window_of(values, parent_count):
     return extra > WINDOW_SCALARS and np.shape(values[parent_count]) == ()
 
 
-def _check_counters(parent, window, accum_iters, describe):
+def _check_counters(parent, window, window_size_at, describe):
     iterations = int(np.asarray(parent[0]))
     if iterations < 0:
         raise ValueError(
@@ -118,6 +119,7 @@ def _check_counters(parent, window, accum_iters, describe):
         return
     pending = int(np.asarray(window[0]))
     seen = int(np.asarray(window[1]))
+    accum_iters = window_size_at(iterations)
     if not 0 <= pending <= seen:
         raise ValueError(
             f"Cannot restore the state of optimizer {describe}: the "

@@ -34,6 +34,63 @@ def validate_accum_iters(accum_iters):
     return int(accum_iters)
 
 
+def validate_accum_iters_or_schedule(accum_iters):
+    """Returns an `int`, or an `AccumSchedule` (a dict becomes one).
+
+    A dict with the single key `0` is the constant it holds.
+    """
+    from accum_optimizers.schedules import AccumSchedule
+    from accum_optimizers.schedules import PiecewiseConstantAccumIters
+
+    if isinstance(accum_iters, AccumSchedule):
+        return accum_iters
+    if isinstance(accum_iters, dict):
+        boundaries = validate_boundaries(accum_iters)
+        if len(boundaries) == 1:
+            return boundaries[0]
+        return PiecewiseConstantAccumIters(boundaries)
+    return validate_accum_iters(accum_iters)
+
+
+def validate_boundaries(boundaries):
+    """`{update: k}` with int keys (JSON's string keys converted), sorted.
+
+    Raises naming `accum_iters` unless it is non-empty, has the key 0,
+    non-negative integer keys and integer values >= 1.
+    """
+    problem = None
+    if not isinstance(boundaries, dict) or not boundaries:
+        problem = "must be a non-empty dict"
+    else:
+        converted = {}
+        for key, value in boundaries.items():
+            if isinstance(key, str) and key.isdigit():
+                key = int(key)
+            if (
+                isinstance(key, (bool, np.bool_))
+                or not isinstance(key, numbers.Integral)
+                or key < 0
+            ):
+                problem = f"has a key that is not an integer >= 0: {key!r}"
+                break
+            try:
+                converted[int(key)] = validate_accum_iters(value)
+            except (TypeError, ValueError):
+                problem = f"maps {key!r} to {value!r}, not an integer >= 1"
+                break
+        else:
+            if 0 not in converted:
+                problem = "has no key 0 (the window size from the start)"
+    if problem:
+        raise ValueError(
+            "`accum_iters` as a schedule is a dict {applied updates: "
+            "window size} whose first key is 0; this one "
+            f"{problem}. Received: "
+            f"accum_iters={boundaries!r}"
+        )
+    return dict(sorted(converted.items()))
+
+
 def validate_accumulator_dtype(accumulator_dtype):
     """Returns the standardized dtype name, or `None`."""
     if accumulator_dtype is None:

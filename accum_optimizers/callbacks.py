@@ -248,7 +248,7 @@ class AccumulationLogger(keras.callbacks.Callback):
         ):
             return
         self._written = (updates, micro_steps)
-        accum_iters = optimizer.accum_iters
+        accum_iters = optimizer.current_accum_iters
         seen = int(ops.convert_to_numpy(optimizer.micro_batches_seen))
         scalars = {
             "updates": updates,

@@ -320,6 +320,32 @@ def flush_case(results, strategy, x, y):
     }
 
 
+def schedule_case(results, strategy, x, y):
+    """A ramp `{0: 1, 1: n - 1}` over the `n` global micro-batches: one
+    update on the first, one on the rest; oracle: the parent on one device
+    on those two big batches."""
+    micro_batches = len(x) // GLOBAL_MICRO
+    with strategy.scope():
+        model = small_model(0)
+        model.compile(
+            optimizer=AdamAccumulate(
+                0.01, accum_iters={0: 1, 1: micro_batches - 1}
+            ),
+            loss="mse",
+        )
+    model.fit(x, y, batch_size=GLOBAL_MICRO, shuffle=False, verbose=0)
+    parent = small_model(0)
+    parent.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    parent.train_on_batch(x[:GLOBAL_MICRO], y[:GLOBAL_MICRO])
+    parent.train_on_batch(x[GLOBAL_MICRO:], y[GLOBAL_MICRO:])
+    results["schedule"] = {
+        "max_difference": max_difference(
+            model.get_weights(), parent.get_weights()
+        ),
+        "iterations": int(model.optimizer.iterations.numpy()),
+    }
+
+
 def main(out_path):
     x, y = regression_data(3, N)
     strategy = tf.distribute.MirroredStrategy(DEVICES)
@@ -330,6 +356,7 @@ def main(out_path):
         reduction_cases(results, strategy, x, y)
         resume_case(results, strategy, Path(out_path).parent, x, y)
         flush_case(results, strategy, x, y)
+        schedule_case(results, strategy, x, y)
         ema_overwrite_case(results, strategy, x, y)
         jit_cases(results, x, y)
     with open(out_path, "w") as out:

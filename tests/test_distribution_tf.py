@@ -50,6 +50,12 @@ def test_fit_in_graph_mode_equals_one_device_global_batch(measured, case):
     assert result["iterations"] == WINDOWS
 
 
+def test_an_accumulation_schedule_equals_growing_global_batches(measured):
+    result = measured["schedule"]
+    assert result["max_difference"] < TOLERANCE
+    assert result["iterations"] == 2
+
+
 def test_clipping_sees_the_global_mean_gradient_unlike_keras(measured):
     # Keras' own optimizers clip each replica's share of the gradient
     # before summing over replicas, so under the strategy the parent itself

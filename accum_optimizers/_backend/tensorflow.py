@@ -51,8 +51,14 @@ class TFAccumulation(Accumulation):
                 sums, grads, new_window, update_switch, apply_window
             )
 
+        # Only a schedule with `k = 1` closes a window on its first
+        # micro-step, where the sums still hold the previous window's.
+        first = new_window if self._accum_may_close_on_first else None
+
         def window():
-            apply_window([_plus(s.value, grad) for s, grad in zip(sums, grads)])
+            apply_window(
+                [_plus(s.value, grad, first) for s, grad in zip(sums, grads)]
+            )
             return tf.constant(True)
 
         def add():
@@ -142,14 +148,16 @@ class TFAccumulation(Accumulation):
         # Keras' `TFOptimizer` all-reduces gradients here on every `apply`;
         # a window's sums are already all-reduced by
         # `_accum_sum_over_replicas`, once per window.
-        if self.accum_iters == 1:
+        if not self._accumulates:
             return super()._all_reduce_sum_gradients(grads_and_vars)
         return grads_and_vars
 
 
-def _plus(total, grad):
-    """The window's total, `total + grad` (a window that closes has at
-    least two micro-steps, so `total` holds this window's sum)."""
+def _plus(total, grad, new_window=None):
+    """The window's total, `total + grad`; `grad` alone where `new_window`
+    (a tensor, when given) is true."""
+    if new_window is not None:
+        total = tf.where(new_window, tf.zeros_like(total), total)
     if grad is None:
         return total
     if isinstance(grad, tf.IndexedSlices):
