@@ -386,15 +386,17 @@ def test_flush_after_terminate_on_nan_keeps_the_weights_finite():
 # 9. float8 scale variables keep the window's maximum ------------------------
 
 
-def test_overwrite_with_gradient_variables_take_the_window_maximum():
+@pytest.mark.parametrize("mode", MODES)
+def test_overwrite_with_gradient_variables_take_the_window_maximum(mode):
     rng = np.random.default_rng(10)
     scale = keras.Variable(np.zeros(3, "float32"))
     scale.overwrite_with_gradient = True
     kernel = keras.Variable(np.ones(3, "float32"))
     ours = SGDAccumulate(0.1, accum_iters=3)
+    step = applier(ours, [scale, kernel], mode)
     window = [rng.normal(size=(2, 3)).astype("float32") for _ in range(3)]
     for i, (g_scale, g_kernel) in enumerate(window):
-        ours.apply([tensor(g_scale), tensor(g_kernel)], [scale, kernel])
+        step([g_scale, g_kernel])
         if i < 2:
             np.testing.assert_array_equal(_numpy([scale])[0], np.zeros(3))
     np.testing.assert_allclose(

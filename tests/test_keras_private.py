@@ -1,0 +1,40 @@
+"""Every private Keras API listed in `_keras_private` still exists, so a
+Keras upgrade that moves one fails here, by name, not deep in a window."""
+
+import keras
+import pytest
+
+from accum_optimizers import _keras_private
+
+BACKEND = keras.backend.backend()
+
+
+@pytest.mark.parametrize("name", _keras_private.OPTIMIZER_ATTRIBUTES)
+def test_optimizer_private_attribute_exists(name):
+    optimizer = keras.optimizers.Adam()
+    optimizer.build([keras.Variable([1.0])])
+    assert hasattr(optimizer, name), name
+
+
+@pytest.mark.backends("tensorflow")
+@pytest.mark.parametrize(
+    "name", _keras_private.TENSORFLOW_OPTIMIZER_ATTRIBUTES
+)
+def test_tensorflow_optimizer_private_attribute_exists(name):
+    assert hasattr(keras.optimizers.Adam(), name), name
+
+
+@pytest.mark.backends("tensorflow")
+def test_tensorflow_internals_answer_outside_a_graph():
+    assert _keras_private.in_xla_context() is False
+    assert _keras_private.strategy_needs_merge_call() is False
+
+
+def test_fused_class_is_what_keras_instantiates():
+    for cls in (keras.optimizers.Adam, keras.optimizers.Muon):
+        assert type(cls()) is _keras_private.fused_class(cls)
+    if BACKEND == "torch":
+        from keras.src.backend.torch.optimizers import torch_adam
+
+        fused = _keras_private.fused_class(keras.optimizers.Adam)
+        assert fused is torch_adam.Adam
