@@ -129,7 +129,7 @@ def _step(optimizer, mode="eager"):
 
 
 @pytest.mark.parametrize("name", KERAS_OPTIMIZERS)
-@settings(max_examples=4)
+@settings(max_examples=3)
 @given(
     options=common_options,
     accum_iters=st.integers(2, 4),

@@ -63,6 +63,9 @@ def check_constant_effective_batch(lines):
     assert all(int(k) * int(b) == 64 for k, b in pairs), pairs
 
 
+# Each example on one backend here; test_distributed_tuning.py runs the
+# KerasTuner one on JAX and the Optuna one on torch.
+@pytest.mark.backends("tensorflow")
 def test_kerastuner_sweep(tmp_path):
     pytest.importorskip("keras_tuner")
     pytest.importorskip("sklearn")
@@ -80,6 +83,7 @@ def test_kerastuner_sweep(tmp_path):
     check_best_model_reloads(out, directory)
 
 
+@pytest.mark.backends("jax")
 def test_optuna_sweep(tmp_path):
     pytest.importorskip("optuna")
     pytest.importorskip("sklearn")

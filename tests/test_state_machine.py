@@ -190,6 +190,6 @@ class AccumulationMachine(RuleBasedStateMachine):
 
 
 AccumulationMachine.TestCase.settings = settings(
-    settings.default, stateful_step_count=20
+    settings.default, stateful_step_count=15
 )
 TestAccumulationMachine = AccumulationMachine.TestCase
