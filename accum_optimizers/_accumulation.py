@@ -447,6 +447,28 @@ class GradientAccumulation(BackendAccumulation):
         )
         self._accum_end_window()
 
+    def finalize_variable_values(self, var_list):
+        # `fit` calls this once, at the end of training.
+        if (
+            self._accumulates
+            and self.built
+            and not getattr(self, "_accum_flush_at_train_end", False)
+        ):
+            pending = int(ops.convert_to_numpy(self._accum_micro_steps.value))
+            if pending:
+                warnings.warn(
+                    f"Training ended with {pending} micro-batches of a window "
+                    f"pending in {type(self).__name__}: they carry into the "
+                    "next `fit`, and the weights do not include them yet. To "
+                    "apply them as a last, smaller update (as the big-batch "
+                    "run's short last batch), add "
+                    "`accum_optimizers.FlushAccumulation()` to the callbacks, "
+                    "or use a sample count that is a multiple of "
+                    "`batch_size * accum_iters`.",
+                    stacklevel=2,
+                )
+        super().finalize_variable_values(var_list)
+
     # -- Keras 2 time decay ------------------------------------------------
 
     def _get_current_learning_rate(self):

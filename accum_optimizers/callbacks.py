@@ -84,6 +84,13 @@ class FlushAccumulation(keras.callbacks.Callback):
             if isinstance(layer, AccumBatchNormalization):
                 layer.flush()
 
+    def on_train_begin(self, logs: Optional[dict[str, Any]] = None) -> None:
+        optimizer = accumulating_optimizer(self.model.optimizer)
+        if optimizer is not None and self.at_train_end:
+            # The optimizer's end-of-`fit` warning about a pending window
+            # is for runs without this callback.
+            optimizer._accum_flush_at_train_end = True
+
     def on_epoch_end(
         self, epoch: int, logs: Optional[dict[str, Any]] = None
     ) -> None:
@@ -94,6 +101,9 @@ class FlushAccumulation(keras.callbacks.Callback):
     def on_train_end(self, logs: Optional[dict[str, Any]] = None) -> None:
         if self.at_train_end:
             self._flush()
+        optimizer = accumulating_optimizer(self.model.optimizer)
+        if optimizer is not None:
+            optimizer._accum_flush_at_train_end = False
 
     def get_config(self) -> dict[str, Any]:
         return {

@@ -205,6 +205,7 @@ def time_group(workload, optimizer_name, mode, jit_compile, repeats, smoke):
             "samples_per_s": statistics.median(rates),
             "repeats": rates,
             "state_bytes": state_bytes(model.optimizer),
+            "trainable_count": len(model.trainable_variables),
             "trainable_bytes": int(
                 sum(
                     np.prod(v.shape) * np.dtype(v.dtype).itemsize

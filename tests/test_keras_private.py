@@ -17,9 +17,7 @@ def test_optimizer_private_attribute_exists(name):
 
 
 @pytest.mark.backends("tensorflow")
-@pytest.mark.parametrize(
-    "name", _keras_private.TENSORFLOW_OPTIMIZER_ATTRIBUTES
-)
+@pytest.mark.parametrize("name", _keras_private.TENSORFLOW_OPTIMIZER_ATTRIBUTES)
 def test_tensorflow_optimizer_private_attribute_exists(name):
     assert hasattr(keras.optimizers.Adam(), name), name
 

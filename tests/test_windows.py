@@ -1,6 +1,8 @@
 """Partial windows (`flush`, `FlushAccumulation`), introspection, and Keras'
 learning-rate callbacks, against the parent optimizer on the same groupings."""
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -213,3 +215,28 @@ def test_keras_learning_rate_callbacks_keep_working(callback):
         rtol=1e-6,
     )
     _assert_weights_close(ours, big)
+
+
+def test_a_fit_that_ends_with_a_pending_window_says_so_once():
+    x, y = regression_data(3, 7 * B)  # 7 micro-batches: 3 pending
+    model = small_model(3)
+    model.compile(optimizer=SGDAccumulate(accum_iters=K), loss="mse")
+    with pytest.warns(UserWarning, match="3 micro-batches") as record:
+        model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    pending = [w for w in record if "pending" in str(w.message)]
+    assert len(pending) == 1
+    assert "FlushAccumulation" in str(pending[0].message)
+
+
+@pytest.mark.parametrize("samples, callbacks", [(8 * B, []), (7 * B, None)])
+def test_no_pending_window_warning_when_nothing_is_left(samples, callbacks):
+    x, y = regression_data(3, samples)
+    model = small_model(3)
+    model.compile(optimizer=SGDAccumulate(accum_iters=K), loss="mse")
+    if callbacks is None:
+        callbacks = [FlushAccumulation()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model.fit(
+            x, y, batch_size=B, shuffle=False, verbose=0, callbacks=callbacks
+        )
