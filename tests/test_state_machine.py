@@ -190,6 +190,8 @@ class AccumulationMachine(RuleBasedStateMachine):
 
 
 AccumulationMachine.TestCase.settings = settings(
-    settings.default, stateful_step_count=15
+    settings.default,
+    max_examples=max(8, settings.default.max_examples * 2 // 3),
+    stateful_step_count=15,
 )
 TestAccumulationMachine = AccumulationMachine.TestCase
