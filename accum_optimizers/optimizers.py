@@ -118,7 +118,8 @@ def accumulating(optimizer_class):
     if registered is not None:
         raise ValueError(
             f"Cannot make `{name}` for {optimizer_class!r}: that name is "
-            f"already registered for {registered._accum_parent!r}. Rename "
+            "already registered (for "
+            f"{getattr(registered, '_accum_parent', registered)!r}). Rename "
             "one of the two optimizer classes."
         )
     _CLASSES[optimizer_class] = register_keras_serializable(_PACKAGE)(cls)

@@ -153,3 +153,11 @@ def test_loss_scale_optimizer_around_an_accumulating_one_equals_big_batch():
     )
     _assert_same_weights(ours, parent)
     assert int(ours.optimizer.inner_optimizer.iterations) == 5
+
+
+def test_the_factory_refuses_a_second_class_under_a_registered_name():
+    class DampedMomentum(keras.optimizers.SGD):  # another class, same name
+        pass
+
+    with pytest.raises(ValueError, match="DampedMomentumAccumulate"):
+        accumulating(DampedMomentum)
