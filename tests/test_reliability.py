@@ -412,6 +412,8 @@ def test_overwrite_with_gradient_variables_take_the_window_maximum(mode):
 # 10. python -OO ------------------------------------------------------------
 
 
+# Docstrings are backend-independent; one backend's import is enough.
+@pytest.mark.backends("torch")
 def test_the_package_imports_under_python_oo():
     result = subprocess.run(
         [sys.executable, "-OO", "-c", "import accum_optimizers"],
