@@ -21,6 +21,15 @@ Each call reads
     else:                                       (the other micro-steps)
         sums += grads
 
+A call may weigh its micro-batch (`apply(grads, weight=n)`, `n` the
+normalizer of the micro-batch's loss): it adds `n * grads` and the window
+divides by the total weight instead of `micro_steps`, so the update is
+sum(n_j g_j) / sum(n_j), the big batch's own mean gradient even when
+micro-batches differ in size, sample weights or valid tokens. The total
+weight is kept as `micro_steps + extra_weight`, `extra_weight` the sum of
+`n - 1` over the weighted calls: a call without a weight counts 1 and does
+no more work than before.
+
 The `if` is a real branch on every backend, so accumulating micro-steps never
 run the update math; how each backend arranges it is in `_backend`. With
 `accum_iters=1` the optimizer is the parent optimizer: no extra variables
@@ -33,6 +42,7 @@ built with.
 """
 
 import inspect
+import threading
 import warnings
 
 import keras
@@ -46,7 +56,9 @@ from accum_optimizers._restore import Layout
 from accum_optimizers._restore import plan_restore
 from accum_optimizers._validation import validate_accum_iters_or_schedule
 from accum_optimizers._validation import validate_accumulator_dtype
+from accum_optimizers._validation import concrete_value
 from accum_optimizers._validation import validate_decay
+from accum_optimizers._validation import validate_weight
 from accum_optimizers.schedules import AccumSchedule
 from accum_optimizers.schedules import PiecewiseConstantAccumIters
 
@@ -174,6 +186,16 @@ class GradientAccumulation(BackendAccumulation):
             self._accum_seen = self._accum_add_variable(
                 "accum_seen", shape=(len(variables),), dtype="int32"
             )
+            # Under tf.distribute each replica adds its own micro-batches'
+            # weights; read or assigned outside a replica this is their mean,
+            # the share of the total weight that goes with one replica's
+            # sums (see `_accum_total_weight`).
+            self._accum_extra_weight = self._accum_add_variable(
+                "accum_extra_weight",
+                shape=(),
+                dtype="float32",
+                aggregation="mean",
+            )
             self._accum_sums = [
                 self._accum_add_sum(variable) for variable in variables
             ]
@@ -196,7 +218,9 @@ class GradientAccumulation(BackendAccumulation):
             reference=variable,
         )
 
-    def _accum_add_variable(self, name, shape, dtype, reference=None):
+    def _accum_add_variable(
+        self, name, shape, dtype, reference=None, aggregation=None
+    ):
         """Adds a replica-local variable (`synchronization="on_read"`).
 
         Under `tf.distribute` each replica adds its own gradients into its
@@ -204,8 +228,11 @@ class GradientAccumulation(BackendAccumulation):
         Read outside a replica (saving), a sum is the total over replicas
         and a counter the first replica's; assigned outside (restoring), a
         sum is split evenly. Elsewhere this is a plain variable, laid out
-        like `reference`.
+        like `reference`. `aggregation` overrides the default: `"sum"` for
+        sums (with a `reference`), `"only_first_replica"` for counters.
         """
+        if aggregation is None:
+            aggregation = "only_first_replica" if reference is None else "sum"
         with self._accum_colocate(reference):
             with keras.name_scope(self.name, caller=self):
                 variable = keras.Variable(
@@ -213,9 +240,7 @@ class GradientAccumulation(BackendAccumulation):
                     shape=shape,
                     dtype=dtype,
                     trainable=False,
-                    aggregation=(
-                        "only_first_replica" if reference is None else "sum"
-                    ),
+                    aggregation=aggregation,
                     synchronization="on_read",
                     layout=getattr(reference, "_layout", None),
                     name=name,
@@ -281,8 +306,35 @@ class GradientAccumulation(BackendAccumulation):
 
     # -- The mechanism -----------------------------------------------------
 
-    def apply(self, grads, trainable_variables=None):
+    def apply(self, grads, trainable_variables=None, *, weight=None):
+        """Adds a micro-batch's gradients to the window; updates the
+        weights on the window's last micro-batch.
+
+        Args:
+            grads: one gradient (or `None`) per variable.
+            trainable_variables: the variables, in the order of `grads`.
+                Defaults to the variables the optimizer was built with.
+                A variable left out counts as a `None` gradient.
+            weight: Optional number or scalar tensor, finite and `> 0`: the
+                normalizer of the micro-batch's loss (its sample count, the
+                sum of its sample weights, or its count of valid tokens).
+                The window then applies sum(weight_j * grads_j) /
+                sum(weight_j), the mean gradient of the window's
+                concatenated batch. Defaults to `None`, which counts `1`.
+                Under `tf.distribute`, pass each replica's own weight: the
+                weights are summed over replicas with the gradients, once
+                per window.
+        """
+        handoff = self._accum_take_handoff()
+        scaled = False
+        if weight is not None:
+            weight = self._accum_checked_weight(weight)
+        elif handoff is not None:
+            weight, scaled = handoff.weight, handoff.loss_scaled
+            if handoff.check:
+                weight = self._accum_checked_weight(weight)
         if not self._accumulates:
+            # A window of one micro-batch: its weight cancels out.
             return super().apply(grads, trainable_variables)
         grads = list(grads)
         if not grads:
@@ -295,7 +347,14 @@ class GradientAccumulation(BackendAccumulation):
             self._overwrite_variable_with_gradient(v)
             for v in self._trainable_variables
         ]
+        summed = [i for i, over in enumerate(overwrite) if not over]
         with keras.name_scope(self.name, caller=self):
+            if weight is not None:
+                weight = ops.cast(weight, "float32")
+                if not scaled:  # else `scale_loss` weighed the loss already
+                    grads = self._accum_weighed(grads, summed, weight)
+                extra = self._accum_extra_weight
+                extra.assign(ops.add(extra.value, ops.subtract(weight, 1.0)))
             # counter: one more micro-batch in the window.
             micro_steps = self._accum_micro_steps + 1
             self._accum_micro_steps.assign(micro_steps)
@@ -309,7 +368,6 @@ class GradientAccumulation(BackendAccumulation):
             for i in np.flatnonzero(overwrite):
                 self._accum_keep_maximum(self._accum_sums[i], grads[i])
             # accumulate, or add and apply on the window's last micro-step.
-            summed = [i for i, over in enumerate(overwrite) if not over]
             self._accum_micro_step(
                 [self._accum_sums[i] for i in summed],
                 [grads[i] for i in summed],
@@ -320,6 +378,85 @@ class GradientAccumulation(BackendAccumulation):
                     [i for i, has in enumerate(has_gradient) if has],
                 ),
             )
+
+    def apply_gradients(self, grads_and_vars, *, weight=None):
+        """`apply` on `(gradient, variable)` pairs; see `apply` for
+        `weight`. Returns `iterations`, the number of applied updates."""
+        grads, trainable_variables = zip(*grads_and_vars)
+        self.apply(grads, trainable_variables, weight=weight)
+        return self._iterations
+
+    def stateless_apply(
+        self, optimizer_variables, grads, trainable_variables, *, weight=None
+    ):
+        """Keras' `stateless_apply` (JAX and torch), with `apply`'s
+        `weight`."""
+        if weight is None:
+            return super().stateless_apply(
+                optimizer_variables, grads, trainable_variables
+            )
+        self._accum_hand_over(weight, check=True)
+        try:
+            return super().stateless_apply(
+                optimizer_variables, grads, trainable_variables
+            )
+        finally:
+            self._accum_take_handoff()  # left over only if it raised early
+
+    def _accum_checked_weight(self, weight):
+        """`weight` as a tensor, refused unless a finite scalar > 0.
+
+        A concrete value is checked now; a traced one by the backend's
+        runtime check (`_accum_assert_weight`), before any state changes.
+        """
+        value = concrete_value(weight)
+        if value is None:
+            weight = ops.convert_to_tensor(weight)
+            if len(weight.shape) != 0:
+                raise ValueError(
+                    "`weight` must be a scalar. Received: weight with shape "
+                    f"{tuple(weight.shape)}"
+                )
+            self._accum_assert_weight(ops.cast(weight, "float32"))
+            return weight
+        return validate_weight(value, weight)
+
+    def _accum_weighed(self, grads, summed, weight):
+        """`grads` with the summed ones multiplied by `weight`, in their
+        sums' dtype."""
+        grads = list(grads)
+        for i in summed:
+            if grads[i] is not None:
+                grads[i] = self._accum_scale(
+                    grads[i], weight, self._accum_sums[i].dtype
+                )
+        return grads
+
+    # -- Weights handed over by `model.fit` ----------------------------------
+
+    def _accum_hand_over(self, weight, loss_scaled=False, check=False):
+        """Sets the weight of this thread's next `apply` (the micro-batch
+        whose loss is being computed); see `weigh_micro_batches`."""
+        handoffs = self.__dict__.setdefault("_accum_handoffs", {})
+        handoffs[threading.get_ident()] = _Handoff(weight, loss_scaled, check)
+
+    def _accum_take_handoff(self):
+        handoffs = self.__dict__.get("_accum_handoffs")
+        if not handoffs:
+            return None
+        return handoffs.pop(threading.get_ident(), None)
+
+    def scale_loss(self, loss):
+        # `fit` calls this on the micro-batch's loss before differentiating
+        # it: multiplying the loss by the micro-batch's weight weighs its
+        # gradients for free, instead of multiplying every gradient.
+        loss = super().scale_loss(loss)
+        handoffs = self.__dict__.get("_accum_handoffs")
+        handoff = handoffs.get(threading.get_ident()) if handoffs else None
+        if handoff is None or handoff.loss_scaled or not self._accumulates:
+            return loss
+        handoff.loss_scaled = True
+        return ops.multiply(loss, ops.cast(handoff.weight, loss.dtype))
 
     def _accum_gradients_of_every_variable(self, grads, trainable_variables):
         """`grads` checked and laid out over every built variable.
@@ -425,18 +562,28 @@ class GradientAccumulation(BackendAccumulation):
                 own accumulation), or the ones `flush` chose. The window's
                 sums of the others are dropped.
 
-        Under `tf.distribute` the replicas' sums are added here, once per
-        window, so that clipping and the update see the global mean
-        gradient, as on one device with the global batch.
+        Under `tf.distribute` the replicas' sums and weights are added
+        here, once per window, so that clipping and the update see the
+        global mean gradient, as on one device with the global batch.
         """
         variables = self._trainable_variables
         summed = [i for i in present if i in totals]
-        # Read the count here, inside the branch: under TensorFlow's XLA
+        # Read the counts here, inside the branch: under TensorFlow's XLA
         # loop, a tensor captured from outside costs every micro-step.
-        means = self._accum_window_mean(
-            self._accum_sum_over_replicas([totals[i] for i in summed]),
-            self._accum_micro_steps.value,
+        total_weight = ops.add(
+            ops.cast(self._accum_micro_steps.value, "float32"),
+            self._accum_extra_weight.value,
         )
+        sums, total_weight = self._accum_reduce_window(
+            [totals[i] for i in summed], total_weight
+        )
+        # A window whose micro-batches all weigh 0 (`fit`: every sample
+        # weight or token masked) has zero sums: a zero gradient, as the
+        # big batch's `divide_no_nan`.
+        total_weight = ops.where(
+            ops.greater(total_weight, 0.0), total_weight, 1.0
+        )
+        means = self._accum_window_mean(sums, total_weight)
         grads = dict(zip(summed, means))
         for i in present:
             if i not in totals:
@@ -564,6 +711,23 @@ class GradientAccumulation(BackendAccumulation):
                 accum_iters, custom_objects=custom_objects
             )
         return super().from_config(config, custom_objects=custom_objects)
+
+
+class _Handoff:
+    """The weight of a thread's next `apply`, set during `fit`'s loss.
+
+    Attributes:
+        weight: the micro-batch's weight (a scalar tensor).
+        loss_scaled: whether `scale_loss` multiplied the loss by it, so
+            the gradients arrive weighed.
+        check: whether to refuse a weight that is not finite and `> 0`
+            (a user's `weight`; `fit`'s normalizers may be `0`).
+    """
+
+    def __init__(self, weight, loss_scaled, check):
+        self.weight = weight
+        self.loss_scaled = loss_scaled
+        self.check = check
 
 
 def _check_shape(grad, variable):

@@ -5,13 +5,16 @@ created its variables: the parent optimizer's variables before `build`
 (`iterations`, and `learning_rate` when it is a float), those `build` adds
 (moments, EMA averages), then, with `accum_iters > 1`, the window's state:
 the micro-step counter, the micro-batch counter, the mask of variables that
-received gradient in the window, and one sum per trainable variable.
+received gradient in the window, the window's extra weight (see
+`GradientAccumulation.apply`), and one sum per trainable variable.
 """
 
 import numpy as np
 
 # Variables of the window's state before the per-variable sums.
-WINDOW_SCALARS = 3
+WINDOW_SCALARS = 4
+# Of those, the ones 0.1.0 saved (the two counters).
+WINDOW_SCALARS_0_1_0 = 2
 
 
 class Layout:
@@ -60,15 +63,18 @@ def plan_restore(values, layout, window_size_at, describe):
         parent, window = values[: layout.parent], values[layout.parent :]
     elif (
         layout.has_window
-        and count == layout.total - 1
+        and count == layout.total - (WINDOW_SCALARS - WINDOW_SCALARS_0_1_0)
         and _is_window_of(values, layout.parent)
         and np.shape(values[layout.parent + 1]) == ()
     ):
         # Saved by 0.1.0, which had no mask of the variables that received
-        # gradient: its flush updated every variable.
+        # gradient (its flush updated every variable) and no weights (every
+        # micro-batch counted 1: no extra weight).
         parent, window = values[: layout.parent], values[layout.parent :]
         variables = layout.total - layout.parent - WINDOW_SCALARS
-        window = window[:2] + [np.ones(variables, "int32")] + window[2:]
+        seen = np.ones(variables, "int32")
+        extra_weight = np.zeros((), "float32")
+        window = window[:2] + [seen, extra_weight] + window[2:]
     elif count == layout.unbuilt:
         # Saved before the optimizer was built: nothing trained yet.
         parent, window = values, []
@@ -105,7 +111,9 @@ def plan_restore(values, layout, window_size_at, describe):
 def _is_window_of(values, parent_count):
     """Whether `values` is a parent state followed by a window's state."""
     extra = len(values) - parent_count
-    return extra > WINDOW_SCALARS and np.shape(values[parent_count]) == ()
+    return (
+        extra > WINDOW_SCALARS_0_1_0 and np.shape(values[parent_count]) == ()
+    )
 
 
 def _check_counters(parent, window, window_size_at, describe):

@@ -1,10 +1,12 @@
-"""Checks of the accumulation arguments, run at construction."""
+"""Checks of the accumulation arguments: at construction, and of the
+`weight` of each `apply`."""
 
 import math
 import numbers
 
 import numpy as np
 from keras import backend
+from keras import ops
 
 ACCUMULATOR_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -125,3 +127,35 @@ def validate_decay(decay):
             f"float32). Received: decay={decay!r}"
         )
     return float(decay) or None
+
+
+def concrete_value(value):
+    """`value` as a numpy array, or `None` while it is being traced (a
+    symbolic TensorFlow tensor, a JAX tracer)."""
+    if isinstance(value, (numbers.Number, np.ndarray, np.generic)):
+        return np.asarray(value)
+    try:
+        return np.asarray(ops.convert_to_numpy(value))
+    except Exception:  # noqa: BLE001 (each backend raises its own type)
+        return None
+
+
+def validate_weight(value, weight):
+    """Returns `weight` (whose numpy value is `value`) as a float32 scalar
+    tensor, or raises unless it is a finite real number > 0."""
+    valid = (
+        value.shape == ()
+        and value.dtype.kind in "iuf"
+        and bool(np.isfinite(value))
+        and value > 0
+    )
+    if valid:
+        with np.errstate(over="ignore"):
+            valid = bool(np.isfinite(np.float32(value)))
+    if not valid:
+        raise ValueError(
+            "`weight` must be a finite number > 0 (the micro-batch's sample "
+            f"count, sum of sample weights or token count). Received: "
+            f"weight={weight!r}"
+        )
+    return ops.convert_to_tensor(np.float32(value))

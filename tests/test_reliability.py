@@ -424,17 +424,18 @@ def test_the_package_imports_under_python_oo():
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-def test_a_window_saved_by_0_1_0_without_the_gradient_mask_resumes():
+def test_a_window_saved_by_0_1_0_without_mask_and_weight_resumes():
     store, calls = _saved_state(accum_iters=3, pending=2)
     optimizer = AdamAccumulate(0.1, accum_iters=3)
     variables = _variables()
     optimizer.build(variables)
-    mask = next(
+    # 0.1.0 had neither the mask nor the extra weight.
+    absent = {
         i
         for i, v in enumerate(optimizer.variables)
-        if v is optimizer._accum_seen
-    )
-    old = [store[str(i)] for i in range(len(store)) if i != mask]
+        if v is optimizer._accum_seen or v is optimizer._accum_extra_weight
+    }
+    old = [store[str(i)] for i in range(len(store)) if i not in absent]
     optimizer.load_own_variables({str(i): v for i, v in enumerate(old)})
     assert int(optimizer.micro_steps) == 2
     optimizer.apply([tensor(g) for g in calls[2]], variables)

@@ -70,17 +70,30 @@ class Accumulation:
         if bool(pred):
             fn()
 
-    def _accum_sum_over_replicas(self, values):
-        """`values` summed over replicas; a no-op where programs see global
-        arrays (keras.distribution) or there is one replica."""
-        return values
+    def _accum_assert_weight(self, weight):
+        """Fails the call, before any state changes, unless the traced
+        scalar `weight` is finite and `> 0` (concrete weights are checked
+        in Python)."""
+
+    def _accum_scale(self, grad, weight, dtype):
+        """`weight * grad`, in `dtype` (the sum's)."""
+        return ops.multiply(ops.cast(grad, dtype), ops.cast(weight, dtype))
+
+    def _accum_reduce_window(self, sums, total_weight):
+        """The window's sums added over replicas, and its total weight
+        averaged over them (each replica's gradients are already divided
+        by the number of replicas, as Keras' losses do); a no-op where
+        programs see global arrays (keras.distribution) or there is one
+        replica."""
+        return sums, total_weight
 
     def _accum_window_mean(self, totals, count):
         """`totals / count`."""
         return [ops.divide(t, ops.cast(count, t.dtype)) for t in totals]
 
     def _accum_end_window(self):
-        """Starts a new window: the counter is zeroed; the sums are left for
-        the next window's first micro-step to overwrite."""
-        counter = self._accum_micro_steps
-        counter.assign(ops.zeros(counter.shape, counter.dtype))
+        """Starts a new window: the counter and the extra weight are
+        zeroed; the sums are left for the next window's first micro-step to
+        overwrite."""
+        for counter in (self._accum_micro_steps, self._accum_extra_weight):
+            counter.assign(ops.zeros(counter.shape, counter.dtype))

@@ -17,6 +17,23 @@ from accum_optimizers._backend.base import Accumulation
 
 
 class JaxAccumulation(Accumulation):
+    def _accum_assert_weight(self, weight):
+        # A host callback that raises, run only when the weight is invalid;
+        # the failed call's new state is never returned.
+        def fail(value):
+            raise ValueError(
+                "`weight` must be a finite number > 0. Received: "
+                f"weight={value!r}"
+            )
+
+        valid = jnp.logical_and(jnp.isfinite(weight), weight > 0)
+        jax.lax.cond(
+            valid,
+            lambda value: None,
+            lambda value: jax.debug.callback(fail, value),
+            weight,
+        )
+
     def _accum_run_if(self, pred, fn):
         if not isinstance(pred, jax.core.Tracer):
             return super()._accum_run_if(pred, fn)

@@ -115,21 +115,33 @@ class TFAccumulation(Accumulation):
             in_cross_replica_context, args=(pred,)
         )
 
-    def _accum_sum_over_replicas(self, values):
+    def _accum_assert_weight(self, weight):
+        tf.debugging.Assert(
+            tf.logical_and(tf.math.is_finite(weight), weight > 0),
+            ["`weight` must be a finite number > 0. Received: weight=", weight],
+        )
+
+    def _accum_scale(self, grad, weight, dtype):
+        if isinstance(grad, tf.IndexedSlices):
+            values = tf.cast(grad.values, dtype) * tf.cast(weight, dtype)
+            return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
+        return super()._accum_scale(grad, weight, dtype)
+
+    def _accum_reduce_window(self, sums, total_weight):
         replica_context = tf.distribute.get_replica_context()
-        if (
-            not values
-            or replica_context is None
-            or replica_context.num_replicas_in_sync == 1
-        ):
-            return values
+        if replica_context is None or replica_context.num_replicas_in_sync == 1:
+            return sums, total_weight
         pinned = []
-        for value in values:
+        device = sums[0].device if sums else total_weight.device
+        for value in sums + [total_weight]:
             # Inside a control-flow branch MultiWorkerMirroredStrategy
             # leaves ops without a device, and the all-reduce needs one.
-            with tf.device(value.device):
+            with tf.device(value.device or device):
                 pinned.append(tf.identity(value))
-        return replica_context.all_reduce(tf.distribute.ReduceOp.SUM, pinned)
+        # One all-reduce for the sums and the weight together.
+        reduced = replica_context.all_reduce(tf.distribute.ReduceOp.SUM, pinned)
+        replicas = tf.cast(replica_context.num_replicas_in_sync, "float32")
+        return reduced[:-1], reduced[-1] / replicas
 
     def _accum_window_mean(self, totals, count):
         # A multiply by the reciprocal: TensorFlow divides by a variable
@@ -147,7 +159,7 @@ class TFAccumulation(Accumulation):
     def _all_reduce_sum_gradients(self, grads_and_vars):
         # Keras' `TFOptimizer` all-reduces gradients here on every `apply`;
         # a window's sums are already all-reduced by
-        # `_accum_sum_over_replicas`, once per window.
+        # `_accum_reduce_window`, once per window.
         if not self._accumulates:
             return super()._all_reduce_sum_gradients(grads_and_vars)
         return grads_and_vars

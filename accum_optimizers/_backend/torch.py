@@ -29,5 +29,8 @@ class TorchAccumulation(Accumulation):
 
     @torch.no_grad()
     def _accum_end_window(self):
-        variables = self._accum_sums + [self._accum_micro_steps]
+        variables = self._accum_sums + [
+            self._accum_micro_steps,
+            self._accum_extra_weight,
+        ]
         torch._foreach_zero_([variable.value for variable in variables])
