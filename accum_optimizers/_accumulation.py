@@ -54,9 +54,9 @@ from keras import ops
 from accum_optimizers._backend import BackendAccumulation
 from accum_optimizers._restore import Layout
 from accum_optimizers._restore import plan_restore
+from accum_optimizers._validation import concrete_value
 from accum_optimizers._validation import validate_accum_iters_or_schedule
 from accum_optimizers._validation import validate_accumulator_dtype
-from accum_optimizers._validation import concrete_value
 from accum_optimizers._validation import validate_decay
 from accum_optimizers._validation import validate_weight
 from accum_optimizers.schedules import AccumSchedule

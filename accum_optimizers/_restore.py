@@ -111,9 +111,7 @@ def plan_restore(values, layout, window_size_at, describe):
 def _is_window_of(values, parent_count):
     """Whether `values` is a parent state followed by a window's state."""
     extra = len(values) - parent_count
-    return (
-        extra > WINDOW_SCALARS_0_1_0 and np.shape(values[parent_count]) == ()
-    )
+    return extra > WINDOW_SCALARS_0_1_0 and np.shape(values[parent_count]) == ()
 
 
 def _check_counters(parent, window, window_size_at, describe):
