@@ -33,6 +33,7 @@ from accum_optimizers.optimizers import RMSpropAccumulate  # noqa: E402
 from accum_optimizers.optimizers import ScheduleFreeAdamWAccumulate  # noqa: E402
 from accum_optimizers.optimizers import SGDAccumulate  # noqa: E402
 from accum_optimizers.optimizers import accumulating  # noqa: E402
+from accum_optimizers.weighting import weigh_micro_batches  # noqa: E402
 
 __version__ = "0.2.0.dev0"
 
@@ -55,4 +56,5 @@ __all__ = [
     "SGDAccumulate",
     "ScheduleFreeAdamWAccumulate",
     "accumulating",
+    "weigh_micro_batches",
 ]

@@ -28,7 +28,13 @@ Attributes and methods of `keras.layers.BatchNormalization` used by
 update of its training branch: `_reduction_axes`, `_moments(inputs, mask)`,
 and for `renorm=True` `_renorm_correction_and_moments`,
 `_compose_transforms` and `_update_renorm_statistics`.
+
+Loss internals used by `weigh_micro_batches` (`weighting.py`): see
+`LOSS_MODULE_FUNCTIONS` below.
 """
+
+import contextlib
+import threading
 
 OPTIMIZER_ATTRIBUTES = (
     "_iterations",
@@ -83,4 +89,92 @@ def strategy_needs_merge_call():
         tf.distribute.has_strategy()
         and tf.distribute.get_replica_context() is not None
         and not tf.__internal__.distribute.strategy_supports_no_merge_call()
+    )
+
+
+# -- `weigh_micro_batches` (weighting.py) ------------------------------------
+#
+# Keras' `Loss.__call__` reduces through the module function
+# `keras.src.losses.loss.reduce_weighted_values(values, sample_weight, mask,
+# reduction, dtype)`; while a micro-batch's loss is computed, a wrapper
+# records each call's arguments, from which `weighting.py` reads the count
+# the loss was divided by, with Keras' own `apply_mask` and
+# `squeeze_or_expand_to_same_rank`. `Trainer._compute_loss_has_training_arg`
+# says whether `compute_loss` takes `training`.
+
+LOSS_MODULE_FUNCTIONS = (
+    "reduce_weighted_values",
+    "apply_mask",
+    "squeeze_or_expand_to_same_rank",
+    "standardize_reduction",
+)
+
+TRAINER_ATTRIBUTES = ("_compute_loss_has_training_arg",)
+
+
+class LossReduction:
+    """The arguments of one `reduce_weighted_values` call."""
+
+    def __init__(self, values, sample_weight, mask, reduction, dtype):
+        self.values = values
+        self.sample_weight = sample_weight
+        self.mask = mask
+        self.reduction = reduction
+        self.dtype = dtype
+
+
+_recording = threading.local()
+_patch_lock = threading.Lock()
+_patch_state = {"depth": 0, "original": None}
+
+
+def loss_module():
+    from keras.src.losses import loss
+
+    return loss
+
+
+@contextlib.contextmanager
+def recorded_loss_reductions():
+    """Context that yields the list of `LossReduction`s of the Keras losses
+    computed inside it, in this thread."""
+    module = loss_module()
+    records = []
+    stack = getattr(_recording, "stack", None)
+    if stack is None:
+        stack = _recording.stack = []
+    stack.append(records)
+    with _patch_lock:
+        if _patch_state["depth"] == 0:
+            _patch_state["original"] = module.reduce_weighted_values
+            module.reduce_weighted_values = _recording_reduce_weighted_values
+        _patch_state["depth"] += 1
+    try:
+        yield records
+    finally:
+        stack.pop()
+        with _patch_lock:
+            _patch_state["depth"] -= 1
+            if _patch_state["depth"] == 0:
+                module.reduce_weighted_values = _patch_state["original"]
+
+
+def _recording_reduce_weighted_values(
+    values,
+    sample_weight=None,
+    mask=None,
+    reduction="sum_over_batch_size",
+    dtype=None,
+):
+    stack = getattr(_recording, "stack", None)
+    if stack:
+        stack[-1].append(
+            LossReduction(values, sample_weight, mask, reduction, dtype)
+        )
+    return _patch_state["original"](
+        values,
+        sample_weight=sample_weight,
+        mask=mask,
+        reduction=reduction,
+        dtype=dtype,
     )

@@ -1,0 +1,168 @@
+"""`weigh_micro_batches(model)`: exact windows in `model.fit` when
+micro-batches differ.
+
+Keras divides each batch's loss by a count: its number of loss values
+(`sum_over_batch_size`), its number of valid entries when the predictions
+carry a mask, or the sum of its sample weights (`mean_with_sample_weight`).
+A window's big batch divides by the count of all of its samples, so the
+window must weigh micro-batch j's gradient by its count n_j:
+sum(n_j g_j) / sum(n_j) (see `GradientAccumulation.apply`).
+
+Keras' trainers hand the optimizer the gradients only; the count is known
+inside the model's loss computation. `weigh_micro_batches` wraps
+`model.compute_loss` to read it from the losses Keras computes (the
+arguments of their reduction) and hand it to the optimizer with the
+micro-batch's gradients, on every backend and under `tf.distribute`.
+"""
+
+import keras
+from keras import ops
+
+from accum_optimizers import _keras_private
+from accum_optimizers._accumulation import GradientAccumulation
+
+_DIVIDED_BY_COUNT = ("sum_over_batch_size", "mean")
+
+
+def weigh_micro_batches(model):
+    """Makes `model.fit` weigh each micro-batch by the count its loss is
+    divided by, so that a window equals its concatenated big batch when
+    micro-batches differ: the epoch's short last batch, `sample_weight`
+    (with the `sum_over_batch_size` and `mean_with_sample_weight`
+    reductions) and masked sequences (`Embedding(mask_zero=True)`).
+
+    Call it once, before or after `compile`; it does nothing while the
+    model's optimizer does not accumulate. It wraps `model.compute_loss`
+    (an override of your own is kept and called), and is not saved with
+    the model: call it again after loading.
+
+    A model with several losses (outputs) is weighed by its sample count,
+    exact when each loss is divided by its number of values; masks or
+    `mean_with_sample_weight` on several losses give each loss its own
+    count, which one weight per micro-batch cannot honour, and raise. A
+    loss with `reduction="sum"` is not divided by a count and raises.
+
+    Args:
+        model: a `keras.Model`.
+
+    Returns:
+        `model`.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "`model` must be a `keras.Model`. Received: "
+            f"model={model!r} of type {type(model).__name__}"
+        )
+    if getattr(model, "_accum_weighs_micro_batches", False):
+        return model
+    compute_loss = model.compute_loss
+    takes_training = model._compute_loss_has_training_arg
+
+    def weighed_compute_loss(
+        x=None, y=None, y_pred=None, sample_weight=None, training=True
+    ):
+        kwargs = {"training": training} if takes_training else {}
+        optimizer = _accumulating_optimizer(model.optimizer)
+        if not training or optimizer is None:
+            return compute_loss(x, y, y_pred, sample_weight, **kwargs)
+        with _keras_private.recorded_loss_reductions() as reductions:
+            loss = compute_loss(x, y, y_pred, sample_weight, **kwargs)
+        optimizer._accum_hand_over(_micro_batch_weight(reductions, y_pred))
+        return loss
+
+    model.compute_loss = weighed_compute_loss
+    model._compute_loss_has_training_arg = True
+    model._accum_weighs_micro_batches = True
+    # A train function traced before would keep the unweighted loss.
+    model.train_function = None
+    return model
+
+
+def _accumulating_optimizer(optimizer):
+    """The accumulating optimizer in `optimizer` (itself, or the one a
+    `LossScaleOptimizer` wraps), or `None`."""
+    while optimizer is not None:
+        if isinstance(optimizer, GradientAccumulation):
+            return optimizer if optimizer._accumulates else None
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return None
+
+
+def _micro_batch_weight(reductions, y_pred):
+    """The micro-batch's weight, from the reductions of its losses."""
+    if not reductions:
+        raise ValueError(
+            "weigh_micro_batches(model): the model's loss computes no "
+            "`keras.losses.Loss`, so the count it divides by is unknown. "
+            "Pass each micro-batch's count yourself with "
+            "`optimizer.apply(grads, weight=count)` in a custom train step."
+        )
+    counts = [_count(reduction) for reduction in reductions]
+    if len(counts) == 1 and counts[0] is not None:
+        return counts[0]
+    exact_by_samples = all(
+        reduction.mask is None
+        and _standard(reduction.reduction) in _DIVIDED_BY_COUNT
+        for reduction in reductions
+    )
+    if not exact_by_samples:
+        raise ValueError(
+            "weigh_micro_batches(model): the model computes "
+            f"{len(reductions)} losses, and masks or "
+            "`reduction='mean_with_sample_weight'` give each its own "
+            "count; one weight per micro-batch cannot make all of them "
+            "exact. Use one loss, or pass weights yourself with "
+            "`optimizer.apply(grads, weight=...)`."
+        )
+    return _sample_count(y_pred)
+
+
+def _count(reduction):
+    """The count a Keras loss reduction divides by, as Keras computes it
+    (`keras/src/losses/loss.py`), or `None` when its values are a scalar
+    the loss function reduced itself."""
+    loss_module = _keras_private.loss_module()
+    name = _standard(reduction.reduction)
+    if name not in _DIVIDED_BY_COUNT + ("mean_with_sample_weight",):
+        raise ValueError(
+            "weigh_micro_batches(model): a loss uses "
+            f"reduction={reduction.reduction!r}, which is not divided by a "
+            "count: its window would be the mean, not the sum, of its "
+            "micro-batches' losses. Use 'sum_over_batch_size' or "
+            "'mean_with_sample_weight'."
+        )
+    dtype = reduction.dtype
+    values = ops.convert_to_tensor(reduction.values, dtype=dtype)
+    if tuple(values.shape) in ((), (0,)):
+        return None
+    sample_weight = reduction.sample_weight
+    mask = reduction.mask
+    if sample_weight is not None:
+        sample_weight = ops.convert_to_tensor(sample_weight, dtype=dtype)
+    if mask is not None:
+        mask = ops.convert_to_tensor(mask, dtype=dtype)
+    if name == "mean_with_sample_weight" and (
+        sample_weight is not None or mask is not None
+    ):
+        weights = loss_module.apply_mask(
+            sample_weight, mask, dtype=values.dtype, reduction=name
+        )
+        weights = ops.cast(weights, values.dtype)
+        _, weights = loss_module.squeeze_or_expand_to_same_rank(values, weights)
+        count = ops.sum(weights)
+    elif mask is not None:
+        count = ops.sum(ops.cast(mask, values.dtype))
+    else:
+        count = ops.prod(ops.convert_to_tensor(ops.shape(values), "int32"))
+    return ops.cast(ops.stop_gradient(count), "float32")
+
+
+def _standard(reduction):
+    return _keras_private.loss_module().standardize_reduction(reduction)
+
+
+def _sample_count(y_pred):
+    first = next(
+        leaf for leaf in keras.tree.flatten(y_pred) if leaf is not None
+    )
+    return ops.cast(ops.shape(first)[0], "float32")
