@@ -41,6 +41,7 @@ gradient: every call accumulates over all the variables the optimizer was
 built with.
 """
 
+import contextlib
 import inspect
 import threading
 import warnings
@@ -326,13 +327,19 @@ class GradientAccumulation(BackendAccumulation):
                 per window.
         """
         handoff = self._accum_take_handoff()
-        scaled = False
-        if weight is not None:
-            weight = self._accum_checked_weight(weight)
-        elif handoff is not None:
-            weight, scaled = handoff.weight, handoff.loss_scaled
-            if handoff.check:
-                weight = self._accum_checked_weight(weight)
+        scaled, check = False, True
+        if weight is None and handoff is not None:
+            weight = handoff.weight
+            scaled, check = handoff.loss_scaled, handoff.check
+        checked = contextlib.nullcontext()
+        if weight is not None and check:
+            weight, checked = self._accum_checked_weight(weight)
+        with checked:
+            self._accum_apply(grads, trainable_variables, weight, scaled)
+
+    def _accum_apply(self, grads, trainable_variables, weight, scaled):
+        """`apply`, its weight checked; `scaled`: the gradients arrive
+        multiplied by it (see `scale_loss`)."""
         if not self._accumulates:
             # A window of one micro-batch: its weight cancels out.
             return super().apply(grads, trainable_variables)
@@ -404,22 +411,24 @@ class GradientAccumulation(BackendAccumulation):
             self._accum_take_handoff()  # left over only if it raised early
 
     def _accum_checked_weight(self, weight):
-        """`weight` as a tensor, refused unless a finite scalar > 0.
+        """`(weight, context)`: `weight` as a float32 tensor, refused unless
+        a finite scalar > 0, and the context in which the call's state
+        changes run.
 
-        A concrete value is checked now; a traced one by the backend's
-        runtime check (`_accum_assert_weight`), before any state changes.
+        A concrete value is checked now; a traced one at run time by the
+        backend (`_accum_check_traced_weight`), before the state changes
+        that run in the context.
         """
         value = concrete_value(weight)
-        if value is None:
-            weight = ops.convert_to_tensor(weight)
-            if len(weight.shape) != 0:
-                raise ValueError(
-                    "`weight` must be a scalar. Received: weight with shape "
-                    f"{tuple(weight.shape)}"
-                )
-            self._accum_assert_weight(ops.cast(weight, "float32"))
-            return weight
-        return validate_weight(value, weight)
+        if value is not None:
+            return validate_weight(value, weight), contextlib.nullcontext()
+        weight = ops.convert_to_tensor(weight)
+        if len(weight.shape) != 0:
+            raise ValueError(
+                "`weight` must be a scalar. Received: weight with shape "
+                f"{tuple(weight.shape)}"
+            )
+        return self._accum_check_traced_weight(ops.cast(weight, "float32"))
 
     def _accum_weighed(self, grads, summed, weight):
         """`grads` with the summed ones multiplied by `weight`, in their
@@ -601,8 +610,13 @@ class GradientAccumulation(BackendAccumulation):
             and self.built
             and not getattr(self, "_accum_flush_at_train_end", False)
         ):
-            pending = int(ops.convert_to_numpy(self._accum_micro_steps.value))
-            if pending:
+            try:
+                pending = ops.convert_to_numpy(self._accum_micro_steps.value)
+            except TypeError:
+                # A JAX train step that failed leaves the variables without
+                # values; let its own error through.
+                pending = 0
+            if int(pending):
                 warnings.warn(
                     f"Training ended with {pending} micro-batches of a window "
                     f"pending in {type(self).__name__}: they carry into the "

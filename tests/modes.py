@@ -1,9 +1,9 @@
 """`apply` run in each execution mode the current backend offers.
 
 `MODES` names them; `applier(optimizer, variables, mode)` returns a function
-`(grads) -> None` that applies one micro-step's gradients (`None` for a
-variable without one) in that mode: eagerly, in a TensorFlow graph
-(`tf.function`), under XLA (`jit_compile=True`), or under `jax.jit` through
+`(grads, weight=None) -> None` that applies one micro-step's gradients
+(`None` for a variable without one), with `apply`'s `weight`, in that
+mode: eagerly, in a TensorFlow graph (`tf.function`), under XLA (`jit_compile=True`), or under `jax.jit` through
 `stateless_apply`. With `subset=True` the eager and TensorFlow modes pass
 only the variables that have a gradient, as custom loops that filter
 `None` gradients do.
@@ -33,8 +33,8 @@ def applier(optimizer, variables, mode, subset=False):
 
     if mode == "eager":
 
-        def step(grads):
-            optimizer.apply(*pairs(grads))
+        def step(grads, weight=None):
+            optimizer.apply(*pairs(grads), **_weight(weight))
 
         return step
     if mode in ("graph", "xla"):
@@ -42,31 +42,38 @@ def applier(optimizer, variables, mode, subset=False):
 
         compiled = {}  # one graph per set of variables passed
 
-        def step(grads):
+        def step(grads, weight=None):
             kept_grads, kept_variables = pairs(grads)
-            key = tuple(id(v) for v in kept_variables)
+            key = (tuple(id(v) for v in kept_variables), weight is None)
             if key not in compiled:
 
                 @tf.function(jit_compile=mode == "xla")
-                def function(kept_grads):
-                    optimizer.apply(kept_grads, kept_variables)
+                def function(kept_grads, weight):
+                    optimizer.apply(
+                        kept_grads, kept_variables, **_weight(weight)
+                    )
 
                 compiled[key] = function
-            compiled[key](kept_grads)
+            if weight is not None:  # traced, as a tensor
+                weight = tf.convert_to_tensor(weight, "float32")
+            compiled[key](kept_grads, weight)
 
         return step
     if mode == "jit":
         import jax
 
         @jax.jit
-        def pure(opt_state, trainable, grads):
-            return optimizer.stateless_apply(opt_state, grads, trainable)
+        def pure(opt_state, trainable, grads, weight):
+            return optimizer.stateless_apply(
+                opt_state, grads, trainable, **_weight(weight)
+            )
 
-        def step(grads):
+        def step(grads, weight=None):
             trainable, opt_state = pure(
                 [v.value for v in optimizer.variables],
                 [v.value for v in variables],
                 grads,
+                weight,
             )
             for variable, value in zip(variables, trainable):
                 variable.assign(value)
@@ -75,3 +82,9 @@ def applier(optimizer, variables, mode, subset=False):
 
         return step
     raise ValueError(f"Unknown mode: {mode!r}")
+
+
+def _weight(weight):
+    """`apply`'s keyword for `weight`; none for `None`, so that plain Keras
+    optimizers run through the same modes."""
+    return {} if weight is None else {"weight": weight}

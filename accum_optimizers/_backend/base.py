@@ -70,10 +70,11 @@ class Accumulation:
         if bool(pred):
             fn()
 
-    def _accum_assert_weight(self, weight):
-        """Fails the call, before any state changes, unless the traced
-        scalar `weight` is finite and `> 0` (concrete weights are checked
-        in Python)."""
+    def _accum_check_traced_weight(self, weight):
+        """`(weight, context)`: makes the call fail, before the state
+        changes run in `context`, unless the traced scalar `weight` is
+        finite and `> 0` (concrete weights are checked in Python)."""
+        return weight, contextlib.nullcontext()
 
     def _accum_scale(self, grad, weight, dtype):
         """`weight * grad`, in `dtype` (the sum's)."""

@@ -9,6 +9,8 @@ XLA copies every array a conditional returns on every call, taken or not
 (docs/benchmarks.md has the figures).
 """
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from keras import StatelessScope
@@ -17,8 +19,8 @@ from accum_optimizers._backend.base import Accumulation
 
 
 class JaxAccumulation(Accumulation):
-    def _accum_assert_weight(self, weight):
-        # A host callback that raises, run only when the weight is invalid;
+    def _accum_check_traced_weight(self, weight):
+        # A host callback that raises, run only when the weight is invalid:
         # the failed call's new state is never returned.
         def fail(value):
             raise ValueError(
@@ -33,6 +35,7 @@ class JaxAccumulation(Accumulation):
             lambda value: jax.debug.callback(fail, value),
             weight,
         )
+        return weight, contextlib.nullcontext()
 
     def _accum_run_if(self, pred, fn):
         if not isinstance(pred, jax.core.Tracer):

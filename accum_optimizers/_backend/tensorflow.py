@@ -23,6 +23,8 @@ micro-step overwrites the sums (`assign(grad)` hands the gradient's buffer
 to the variable, cheaper than zeroing into a fresh buffer).
 """
 
+import contextlib
+
 import tensorflow as tf
 
 from accum_optimizers import _keras_private
@@ -115,11 +117,19 @@ class TFAccumulation(Accumulation):
             in_cross_replica_context, args=(pred,)
         )
 
-    def _accum_assert_weight(self, weight):
-        tf.debugging.Assert(
-            tf.logical_and(tf.math.is_finite(weight), weight > 0),
+    def _accum_check_traced_weight(self, weight):
+        valid = tf.logical_and(tf.math.is_finite(weight), weight > 0)
+        if _keras_private.in_xla_context():
+            # XLA drops assertions: an invalid weight makes the window's
+            # gradients NaN instead, which `flush` discards and
+            # `TerminateOnNaN` stops on.
+            weight = tf.where(valid, weight, float("nan"))
+            return weight, contextlib.nullcontext()
+        check = tf.debugging.Assert(
+            valid,
             ["`weight` must be a finite number > 0. Received: weight=", weight],
         )
+        return weight, tf.control_dependencies([check])
 
     def _accum_scale(self, grad, weight, dtype):
         if isinstance(grad, tf.IndexedSlices):
