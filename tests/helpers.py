@@ -34,6 +34,36 @@ def regression_data(seed, n, in_dim=4, out_dim=2):
     return x, y
 
 
+def sample_weights(seed, n):
+    """Sample weights, some 0, so that their sum differs from the count."""
+    rng = np.random.default_rng(seed)
+    return rng.choice([0.0, 0.5, 1.0, 3.0], size=n).astype("float32")
+
+
+def sequence_model(seed, vocab=12, length=6, classes=3):
+    """Embedding(mask_zero=True) and a Dense layer, which keeps the mask:
+    per-token logits whose loss counts only the tokens before padding."""
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((length,), dtype="int32"),
+            keras.layers.Embedding(vocab, 4, mask_zero=True),
+            keras.layers.Dense(classes),
+        ]
+    )
+
+
+def sequence_data(seed, n, vocab=12, length=6, classes=3):
+    """Token ids padded with 0 after a length drawn in [1, length], and a
+    class per token."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, vocab, size=(n, length))
+    lengths = rng.integers(1, length + 1, size=n)
+    tokens[np.arange(length) >= lengths[:, None]] = 0
+    labels = rng.integers(0, classes, size=(n, length))
+    return tokens.astype("int32"), labels.astype("int32")
+
+
 def train_with_strategy(strategy, model, optimizer, distributed_batches, batch):
     """A custom tf.distribute loop: `strategy.run` inside a `tf.function`.
 

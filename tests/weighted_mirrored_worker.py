@@ -1,0 +1,301 @@
+"""Worker for test_weighted_distributed.py: weighted windows mirrored.
+
+    KERAS_BACKEND=tensorflow python weighted_mirrored_worker.py OUT.json
+
+Splits the CPU into 2 logical devices (before TensorFlow starts), trains
+under `tf.distribute.MirroredStrategy` with micro-batches that differ (a
+short last micro-batch, sample weights, masked variable-length sequences)
+and writes, for every case, the largest difference of the weights from
+their oracle to OUT.json, as JSON; the test judges them.
+
+The oracle is the parent Keras optimizer on one device, without a
+strategy, from the same initial weights, on the window's concatenated big
+batch, in the same order. Keras' `fit` under the strategy splits each
+global micro-batch between the replicas with
+`experimental_distribute_dataset`; `split` records how it splits a short
+one, so that each window is known to hold exactly the samples of the
+oracle's big batch.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import tensorflow as tf
+
+REPLICAS = 2
+_cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    _cpu, [tf.config.LogicalDeviceConfiguration()] * REPLICAS
+)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from helpers import regression_data  # noqa: E402
+from helpers import sample_weights  # noqa: E402
+from helpers import sequence_data  # noqa: E402
+from helpers import sequence_model  # noqa: E402
+from helpers import small_model  # noqa: E402
+
+from accum_optimizers import AdamAccumulate  # noqa: E402
+from accum_optimizers import FlushAccumulation  # noqa: E402
+from accum_optimizers import SGDAccumulate  # noqa: E402
+from accum_optimizers import weigh_micro_batches  # noqa: E402
+
+K = 3  # accum_iters
+GLOBAL_MICRO = 8  # global micro-batch; 4 per replica
+BIG = K * GLOBAL_MICRO
+# One full window, then a flushed one of 8 and a short 5 (split 3 / 2).
+N = BIG + GLOBAL_MICRO + 5
+# As N, with a last micro-batch of 1 sample: the second replica gets none.
+N_EMPTY_REPLICA = BIG + GLOBAL_MICRO + 1
+# One strategy per process: with a second one, fit failed with mismatched
+# collective ops (batchnorm_mirrored_worker.py).
+STRATEGY = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+OPTIMIZERS = {
+    "adam": (AdamAccumulate, keras.optimizers.Adam, {"learning_rate": 0.01}),
+    # Keras' TensorFlow Adam updates an embedding's `IndexedSlices`
+    # gradient with repeated indices unlike its dense sum (the window's
+    # mean), so the parent's big batch is no oracle for Adam there.
+    "sgd_momentum": (
+        SGDAccumulate,
+        keras.optimizers.SGD,
+        {"learning_rate": 0.1, "momentum": 0.9},
+    ),
+}
+
+
+class FitCase:
+    """A model fitted with `weigh_micro_batches` under the strategy."""
+
+    def __init__(self, kind, reduction, samples):
+        self.kind = kind  # "dense" (sample weights) or "sequences" (masks)
+        self.reduction = reduction
+        self.samples = samples
+
+    def data(self):
+        """`x, y, sample_weight`."""
+        if self.kind == "dense":
+            x, y = regression_data(0, self.samples)
+            return x, y, sample_weights(0, self.samples)
+        return (*sequence_data(1, self.samples), None)
+
+    def model(self):
+        if self.kind == "dense":
+            return small_model(0)
+        return sequence_model(0)
+
+    def loss(self):
+        if self.kind == "dense":
+            return keras.losses.MeanSquaredError(reduction=self.reduction)
+        return keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction=self.reduction
+        )
+
+    def optimizer(self):
+        return "adam" if self.kind == "dense" else "sgd_momentum"
+
+    def normalizer(self, x, sample_weight, indices):
+        """What Keras divides the loss of the samples `indices` by."""
+        if self.kind == "sequences":
+            return int(np.count_nonzero(x[indices]))
+        if self.reduction == "mean_with_sample_weight":
+            return float(sample_weight[indices].sum())
+        return len(indices)
+
+
+FIT_CASES = {
+    "sample_weight_sum_over_batch_size_empty_replica": FitCase(
+        "dense", "sum_over_batch_size", N_EMPTY_REPLICA
+    ),
+    "sample_weight_mean_with_sample_weight": FitCase(
+        "dense", "mean_with_sample_weight", N
+    ),
+    "masked_sequences": FitCase("sequences", "sum_over_batch_size", N),
+}
+
+
+def max_difference(a, b):
+    return float(max(np.max(np.abs(u - v)) for u, v in zip(a, b)))
+
+
+def split_of_global_batches(n):
+    """Per global micro-batch, the sample indices each replica gets from
+    `experimental_distribute_dataset`, which `fit` uses."""
+    dataset = tf.data.Dataset.range(n).batch(GLOBAL_MICRO)
+    return [
+        [t.numpy().tolist() for t in STRATEGY.experimental_local_results(b)]
+        for b in STRATEGY.experimental_distribute_dataset(dataset)
+    ]
+
+
+def per_replica(values):
+    """A distributed value holding `values[r]` on replica r."""
+    return STRATEGY.experimental_distribute_values_from_function(
+        lambda context: tf.constant(values[context.replica_id_in_sync_group])
+    )
+
+
+def recorded(measure):
+    """`measure()`, or the error it raised, for the test to judge."""
+    try:
+        return measure()
+    except Exception as error:  # noqa: BLE001 - recorded, judged
+        return {"error": f"{type(error).__name__}: {error}"[:500]}
+
+
+def fit_case(name):
+    case = FIT_CASES[name]
+    x, y, sample_weight = case.data()
+    split = split_of_global_batches(case.samples)
+    ours_cls, parent_cls, kwargs = OPTIMIZERS[case.optimizer()]
+    initial = case.model().get_weights()
+
+    oracle = case.model()
+    oracle.compile(optimizer=parent_cls(**kwargs), loss=case.loss())
+    oracle.fit(
+        x,
+        y,
+        sample_weight=sample_weight,
+        batch_size=BIG,
+        shuffle=False,
+        verbose=0,
+    )
+    result = {
+        "split": split,
+        # Per micro-batch, each replica's normalizer: where they differ,
+        # an unweighed window is not the big batch.
+        "normalizers": [
+            [case.normalizer(x, sample_weight, shard) for shard in batch]
+            for batch in split
+        ],
+        "scale": max_difference(oracle.get_weights(), initial),
+        "oracle_iterations": int(oracle.optimizer.iterations.numpy()),
+    }
+
+    def fit():
+        with STRATEGY.scope():
+            model = case.model()
+            model.compile(
+                optimizer=ours_cls(accum_iters=K, **kwargs), loss=case.loss()
+            )
+        weigh_micro_batches(model)
+        model.fit(
+            x,
+            y,
+            sample_weight=sample_weight,
+            batch_size=GLOBAL_MICRO,
+            shuffle=False,
+            verbose=0,
+            callbacks=[FlushAccumulation()],
+        )
+        return {
+            "max_difference": max_difference(
+                model.get_weights(), oracle.get_weights()
+            ),
+            "iterations": int(model.optimizer.iterations.numpy()),
+        }
+
+    result.update(recorded(fit))
+    return result
+
+
+# Per window, per micro-batch: the samples each replica gets, uneven.
+CUSTOM_SHARDS = [[(4, 4), (3, 1), (2, 5)], [(1, 3), (4, 2), (5, 5)]]
+
+
+def custom_loop_case(kind):
+    """`strategy.run` of a step that weighs each replica's gradients by its
+    own count of samples (`dense`) or valid tokens (`sequences`)."""
+    samples = sum(a + b for window in CUSTOM_SHARDS for a, b in window)
+    if kind == "dense":
+        x, y = regression_data(2, samples)
+        make_model, optimizer = small_model, "adam"
+
+        def losses(model, xb, yb):
+            values = tf.reduce_mean(tf.square(model(xb) - yb), axis=-1)
+            return values, tf.ones_like(values)
+
+    else:
+        x, y = sequence_data(3, samples)
+        make_model, optimizer = sequence_model, "sgd_momentum"
+
+        def losses(model, xb, yb):
+            values = keras.losses.sparse_categorical_crossentropy(
+                yb, model(xb), from_logits=True
+            )
+            return values, tf.cast(tf.not_equal(xb, 0), values.dtype)
+
+    ours_cls, parent_cls, kwargs = OPTIMIZERS[optimizer]
+    initial = make_model(0).get_weights()
+
+    # The oracle: the parent on the mean loss over each window's samples
+    # (tokens).
+    oracle = make_model(0)
+    parent = parent_cls(**kwargs)
+    start = 0
+    for window in CUSTOM_SHARDS:
+        stop = start + sum(a + b for a, b in window)
+        with tf.GradientTape() as tape:
+            values, valid = losses(oracle, x[start:stop], y[start:stop])
+            loss = tf.reduce_sum(values * valid) / tf.reduce_sum(valid)
+        parent.apply(
+            tape.gradient(loss, oracle.trainable_variables),
+            oracle.trainable_variables,
+        )
+        start = stop
+    result = {"scale": max_difference(oracle.get_weights(), initial)}
+
+    def train():
+        with STRATEGY.scope():
+            model = make_model(0)
+            ours = ours_cls(accum_iters=K, **kwargs)
+            ours.build(model.trainable_variables)
+
+        def replica_step(xb, yb):
+            with tf.GradientTape() as tape:
+                values, valid = losses(model, xb, yb)
+                count = tf.reduce_sum(valid)
+                # The replica's mean loss over its own samples (tokens),
+                # divided by the number of replicas, as Keras' losses are.
+                loss = tf.reduce_sum(values * valid) / count
+                loss = loss / STRATEGY.num_replicas_in_sync
+            grads = tape.gradient(loss, model.trainable_variables)
+            ours.apply(grads, model.trainable_variables, weight=count)
+
+        @tf.function(reduce_retracing=True)
+        def step(xb, yb):
+            STRATEGY.run(replica_step, args=(xb, yb))
+
+        start = 0
+        for sizes in sum(CUSTOM_SHARDS, []):
+            ends = start + np.cumsum(sizes)
+            shards = [slice(end - n, end) for end, n in zip(ends, sizes)]
+            step(
+                per_replica([x[shard] for shard in shards]),
+                per_replica([y[shard] for shard in shards]),
+            )
+            start = int(ends[-1])
+        return {
+            "max_difference": max_difference(
+                model.get_weights(), oracle.get_weights()
+            ),
+            "iterations": int(ours.iterations.numpy()),
+        }
+
+    result.update(recorded(train))
+    return result
+
+
+def main(out_path):
+    results = {"replicas": STRATEGY.num_replicas_in_sync}
+    for name in FIT_CASES:
+        results[f"fit/{name}"] = fit_case(name)
+    for kind in ("dense", "sequences"):
+        results[f"custom_loop/{kind}"] = custom_loop_case(kind)
+    Path(out_path).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
