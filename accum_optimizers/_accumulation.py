@@ -322,7 +322,8 @@ class GradientAccumulation(BackendAccumulation):
                 The window then applies sum(weight_j * grads_j) /
                 sum(weight_j), the mean gradient of the window's
                 concatenated batch. Defaults to `None`, which counts `1`.
-                Under `tf.distribute`, pass each replica's own weight: the
+                Under `tf.distribute`, pass each replica's own weight (`0`
+                for a replica whose share of the micro-batch is empty): the
                 weights are summed over replicas with the gradients, once
                 per window.
         """
@@ -421,7 +422,9 @@ class GradientAccumulation(BackendAccumulation):
         """
         value = concrete_value(weight)
         if value is not None:
-            return validate_weight(value, weight), contextlib.nullcontext()
+            zero_allowed = self._accum_zero_weight_allowed()
+            weight = validate_weight(value, weight, zero_allowed)
+            return weight, contextlib.nullcontext()
         weight = ops.convert_to_tensor(weight)
         if len(weight.shape) != 0:
             raise ValueError(

@@ -140,14 +140,15 @@ def concrete_value(value):
         return None
 
 
-def validate_weight(value, weight):
+def validate_weight(value, weight, zero_allowed=False):
     """Returns `weight` (whose numpy value is `value`) as a float32 scalar
-    tensor, or raises unless it is a finite real number > 0."""
+    tensor, or raises unless it is a finite real number > 0 (or `0`, with
+    `zero_allowed`)."""
     valid = (
         value.shape == ()
         and value.dtype.kind in "iuf"
         and bool(np.isfinite(value))
-        and value > 0
+        and (value > 0 or (zero_allowed and value == 0))
     )
     if valid:
         with np.errstate(over="ignore"):

@@ -32,13 +32,6 @@ TOLERANCE = 1e-6
 WINDOWS = 2  # a full window, then a flushed partial one
 K = 3
 
-EMBEDDING_SCATTER_UNSUPPORTED = pytest.mark.xfail(
-    strict=True,
-    reason="Under MirroredStrategy an Embedding's IndexedSlices gradient is "
-    "added into a replica-local (ON_READ) sum with scatter_add, which "
-    "tf.distribute does not implement: NotImplementedError",
-)
-
 
 def _run_worker(name, tmp_path, env):
     """Runs a worker in a process of its own (it splits the CPU first)."""
@@ -89,9 +82,7 @@ FIT_CASE_NAMES = [
     "sample_weight_mean_with_sample_weight",
     "masked_sequences",
 ]
-FIT_CASES = FIT_CASE_NAMES[:2] + [
-    pytest.param("masked_sequences", marks=EMBEDDING_SCATTER_UNSUPPORTED)
-]
+FIT_CASES = FIT_CASE_NAMES[:2] + ["masked_sequences"]
 
 
 @pytest.mark.backends("tensorflow")
@@ -123,7 +114,7 @@ def test_mirrored_fit_weighs_micro_batches_as_the_big_batch(mirrored, case):
 @pytest.mark.backends("tensorflow")
 @pytest.mark.parametrize(
     "kind",
-    ["dense", pytest.param("sequences", marks=EMBEDDING_SCATTER_UNSUPPORTED)],
+    ["dense", "sequences"],
 )
 def test_mirrored_custom_loop_with_uneven_replica_weights(mirrored, kind):
     """`strategy.run` of a step passing each replica's own count (samples,

@@ -202,7 +202,8 @@ def fit_case(name):
 
 
 # Per window, per micro-batch: the samples each replica gets, uneven.
-CUSTOM_SHARDS = [[(4, 4), (3, 1), (2, 5)], [(1, 3), (4, 2), (5, 5)]]
+# (3, 0): the second replica's shard is empty, its weight 0.
+CUSTOM_SHARDS = [[(4, 4), (3, 0), (2, 5)], [(1, 3), (4, 2), (5, 5)]]
 
 
 def custom_loop_case(kind):
@@ -259,7 +260,9 @@ def custom_loop_case(kind):
                 count = tf.reduce_sum(valid)
                 # The replica's mean loss over its own samples (tokens),
                 # divided by the number of replicas, as Keras' losses are.
-                loss = tf.reduce_sum(values * valid) / count
+                loss = tf.math.divide_no_nan(
+                    tf.reduce_sum(values * valid), count
+                )
                 loss = loss / STRATEGY.num_replicas_in_sync
             grads = tape.gradient(loss, model.trainable_variables)
             ours.apply(grads, model.trainable_variables, weight=count)

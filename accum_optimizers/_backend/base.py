@@ -76,6 +76,11 @@ class Accumulation:
         finite and `> 0` (concrete weights are checked in Python)."""
         return weight, contextlib.nullcontext()
 
+    def _accum_zero_weight_allowed(self):
+        """Whether a weight may be `0`: a replica's, under tf.distribute,
+        whose share of the micro-batch is empty."""
+        return False
+
     def _accum_scale(self, grad, weight, dtype):
         """`weight * grad`, in `dtype` (the sum's)."""
         return ops.multiply(ops.cast(grad, dtype), ops.cast(weight, dtype))

@@ -73,6 +73,16 @@ class TFAccumulation(Accumulation):
         if _keras_private.in_xla_context():
             # XLA densifies `IndexedSlices`; the select fuses into the add.
             return super()._accum_add(sums, grads, new_window)
+        if _keras_private.strategy_needs_merge_call():
+            # tf.distribute cannot scatter into a replica-local variable:
+            # an embedding's `IndexedSlices` is added densely.
+            grads = [
+                tf.convert_to_tensor(g)
+                if isinstance(g, tf.IndexedSlices)
+                else g
+                for g in grads
+            ]
+            return super()._accum_add(sums, grads, new_window)
 
         def overwrite():
             for total, grad in zip(sums, grads):
@@ -118,7 +128,10 @@ class TFAccumulation(Accumulation):
         )
 
     def _accum_check_traced_weight(self, weight):
-        valid = tf.logical_and(tf.math.is_finite(weight), weight > 0)
+        smallest = 0.0 if self._accum_zero_weight_allowed() else None
+        valid = tf.math.is_finite(weight) & (
+            weight > 0 if smallest is None else weight >= smallest
+        )
         if _keras_private.in_xla_context():
             # XLA drops assertions: an invalid weight makes the window's
             # gradients NaN instead, which `flush` discards and
@@ -136,6 +149,14 @@ class TFAccumulation(Accumulation):
             values = tf.cast(grad.values, dtype) * tf.cast(weight, dtype)
             return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
         return super()._accum_scale(grad, weight, dtype)
+
+    def _accum_zero_weight_allowed(self):
+        # A replica whose shard of the micro-batch is empty weighs 0.
+        replica_context = tf.distribute.get_replica_context()
+        return (
+            replica_context is not None
+            and replica_context.num_replicas_in_sync > 1
+        )
 
     def _accum_reduce_window(self, sums, total_weight):
         replica_context = tf.distribute.get_replica_context()
