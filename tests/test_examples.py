@@ -131,3 +131,27 @@ def test_optuna_pruning_callback_stops_a_trial_after_the_reported_epoch():
     (trial,) = study.trials
     assert trial.state == optuna.trial.TrialState.PRUNED
     assert list(trial.intermediate_values) == [0]  # Stopped after epoch 1.
+
+
+# Backend-independent: the weighted windows' backend code is covered in
+# test_weighted_windows.py on every backend.
+@pytest.mark.backends("torch")
+def test_uneven_batches_example_weighs_its_way_to_the_big_batch(tmp_path):
+    # 300 samples: a short micro-batch of 12 and a partial window.
+    out = run_example(
+        "uneven_batches.py", "--samples", "300", "--epochs", "1", cwd=tmp_path
+    )
+    differences = {}
+    section = None
+    for line in out.splitlines():
+        if line.endswith(":") and not line.startswith(" "):
+            section = line
+        match = re.match(r"^\s+(.+?)\s+max \|dw\| = (\S+)$", line)
+        if match:
+            differences[section, match[1]] = float(match[2])
+    assert len(differences) == 6, out
+    for (section, run), difference in differences.items():
+        if run.startswith("weigh_micro_batches"):
+            assert difference < 1e-5, (section, run, difference)
+        else:
+            assert difference > 1e-4, (section, run, difference)
