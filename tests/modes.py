@@ -3,10 +3,10 @@
 `MODES` names them; `applier(optimizer, variables, mode)` returns a function
 `(grads, weight=None) -> None` that applies one micro-step's gradients
 (`None` for a variable without one), with `apply`'s `weight`, in that
-mode: eagerly, in a TensorFlow graph (`tf.function`), under XLA (`jit_compile=True`), or under `jax.jit` through
-`stateless_apply`. With `subset=True` the eager and TensorFlow modes pass
-only the variables that have a gradient, as custom loops that filter
-`None` gradients do.
+mode: eagerly, in a TensorFlow graph (`tf.function`), under XLA
+(`jit_compile=True`), or under `jax.jit` through `stateless_apply`. With
+`subset=True` the eager and TensorFlow modes pass only the variables that
+have a gradient, as custom loops that filter `None` gradients do.
 """
 
 import keras
