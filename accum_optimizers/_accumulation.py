@@ -524,10 +524,10 @@ class GradientAccumulation(BackendAccumulation):
     def flush(self):
         """Applies the pending partial window, if any, and starts a new one.
 
-        The update uses the mean of the gradients of the micro-batches the
-        window holds (`micro_steps` of them), so a flushed window of `m`
-        micro-batches of size `b` equals the parent optimizer on one batch
-        of `m * b`. Only variables that are trainable now and received
+        The update uses the (weighted, see `apply`) mean of the gradients
+        of the micro-batches the window holds (`micro_steps` of them), so a
+        flushed window of `m` micro-batches of size `b` equals the parent
+        optimizer on one batch of `m * b`. Only variables that are trainable now and received
         gradient in the window are updated. A window whose gradients are
         not all finite (after a `TerminateOnNaN` stop, say) is discarded
         with a warning, leaving the weights as they are. Does nothing when

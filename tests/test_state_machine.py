@@ -1,7 +1,7 @@
 """A stateful property test: random sequences of what users do to an
 accumulating optimizer, checked after every step against an independent
 reference: a numpy model of the window and the parent Keras optimizer fed
-the window's mean gradient."""
+the window's (weighted) mean gradient."""
 
 import keras
 import numpy as np
@@ -25,6 +25,8 @@ CLASSES = {
         {"learning_rate": 0.1, "momentum": 0.9},
     ),
 }
+# `None` counts 1; the others are micro-batch sizes or token counts.
+weights = st.one_of(st.none(), st.sampled_from([0.5, 1.0, 3.0, 7.0]))
 grad_values = st.integers(0, 2**32 - 1).map(
     lambda seed: [
         np.random.default_rng(seed).normal(size=s).astype("float32")
@@ -56,22 +58,27 @@ class AccumulationMachine(RuleBasedStateMachine):
         self.parent = parent_cls(**self.options)
         self.parent.build(self.reference)
         self.window = []  # the reference's pending calls: lists with None
+        self.weights = []  # and their weights (None counts 1)
         self.frozen = False
 
     # -- The reference ---------------------------------------------------
 
-    def _reference_apply(self, indices, calls):
+    def _reference_apply(self, indices):
+        calls = self.window
+        weights = [1.0 if w is None else w for w in self.weights]
         means = []
         for i in indices:
             grads = [
                 np.zeros(SHAPES[i], "float32") if c[i] is None else c[i]
                 for c in calls
             ]
-            means.append(keras.ops.convert_to_tensor(np.mean(grads, 0)))
+            mean = np.average(np.asarray(grads, "float64"), 0, weights)
+            means.append(keras.ops.convert_to_tensor(mean.astype("float32")))
         if indices:
             self.parent.apply(means, [self.reference[i] for i in indices])
+        self.window, self.weights = [], []
 
-    def _call(self, grads, subset):
+    def _call(self, grads, subset, weight=None):
         """One micro-step of ours and of the reference."""
         if self.frozen:
             grads = [None] + grads[1:]  # fit passes trainable ones only
@@ -83,47 +90,56 @@ class AccumulationMachine(RuleBasedStateMachine):
             self.optimizer.apply(
                 [tensor(grads[i]) for i in kept],
                 [self.variables[i] for i in kept],
+                weight=weight,
             )
         else:
             self.optimizer.apply(
                 [None if g is None else tensor(g) for g in grads],
                 self.variables,
+                weight=weight,
             )
         self.window.append(grads)
+        self.weights.append(weight)
         if len(self.window) == self.accum_iters:
             present = [i for i, g in enumerate(grads) if g is not None]
-            self._reference_apply(present, self.window)
-            self.window = []
+            self._reference_apply(present)
 
     # -- Rules -------------------------------------------------------------
 
-    @rule(grads=grad_values)
-    def apply_all(self, grads):
-        self._call(grads, subset=False)
+    @rule(grads=grad_values, weight=weights)
+    def apply_all(self, grads, weight):
+        self._call(grads, subset=False, weight=weight)
 
     @rule(
         grads=grad_values,
         missing=st.sets(st.integers(0, len(SHAPES) - 1), min_size=1),
         subset=st.booleans(),
+        weight=weights,
     )
-    def apply_some(self, grads, missing, subset):
+    def apply_some(self, grads, missing, subset, weight):
         self._call(
-            [None if i in missing else g for i, g in enumerate(grads)], subset
+            [None if i in missing else g for i, g in enumerate(grads)],
+            subset,
+            weight,
         )
 
     @rule(grads=grad_values, position=st.integers(0, len(SHAPES) - 1))
     def apply_that_raises(self, grads, position):
-        grads[position] = np.ones((1,) * len(SHAPES[position]), "float32")
+        # A wrong-shaped gradient, or a weight that is no count.
+        bad_weight = position == 0
+        if not bad_weight:
+            grads[position] = np.ones((1,) * len(SHAPES[position]), "float32")
         before = _numpy(self.variables) + _numpy(self.optimizer.variables)
         try:
             self.optimizer.apply(
                 [keras.ops.convert_to_tensor(g) for g in grads],
                 self.variables,
+                weight=-1.0 if bad_weight else None,
             )
         except ValueError as error:
-            assert "shape" in str(error)
+            assert ("weight" if bad_weight else "shape") in str(error)
         else:
-            raise AssertionError("a wrong-shaped gradient was accepted")
+            raise AssertionError("a bad call was accepted")
         after = _numpy(self.variables) + _numpy(self.optimizer.variables)
         for a, b in zip(after, before):
             np.testing.assert_array_equal(a, b)
@@ -143,8 +159,7 @@ class AccumulationMachine(RuleBasedStateMachine):
                 if any(c[i] is not None for c in self.window)
                 and not (i == 0 and self.frozen)
             ]
-            self._reference_apply(present, self.window)
-            self.window = []
+            self._reference_apply(present)
 
     @rule(before_build=st.booleans())
     def save_and_load(self, before_build):
