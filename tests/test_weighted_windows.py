@@ -14,6 +14,7 @@ import keras
 import numpy as np
 import pytest
 from hypothesis import given
+from hypothesis import settings
 from hypothesis import strategies as st
 from modes import MODES
 from modes import applier
@@ -371,6 +372,32 @@ def test_fit_with_masked_sequences_equals_the_big_batch(compile_kwargs):
     x, y = _sequence_data(2 * K * B + 3)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     ours, parent = _fit_pair(_sequence_model, loss, x, y, **compile_kwargs)
+    _assert_close(ours, parent)
+
+
+@settings(max_examples=min(4, settings.default.max_examples))
+@given(
+    samples=st.integers(K * B + 1, 3 * K * B),
+    reduction=st.sampled_from(
+        ["sum_over_batch_size", "mean_with_sample_weight"]
+    ),
+    weighted_samples=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_fit_on_drawn_data_equals_the_big_batch(
+    samples, reduction, weighted_samples, seed
+):
+    x, y, sample_weight = _dense_data(samples, seed)
+    loss = keras.losses.MeanSquaredError(reduction=reduction)
+    ours, parent = _fit_pair(
+        _dense_model,
+        loss,
+        x,
+        y,
+        sample_weight if weighted_samples else None,
+        optimizer="adam",
+        epochs=1,
+    )
     _assert_close(ours, parent)
 
 
