@@ -657,7 +657,9 @@ class GradientAccumulation(BackendAccumulation):
         between_windows = between_windows == 0
         stale = {id(v) for v in self._accum_sums + [self._accum_seen]}
         for i, variable in enumerate(self.variables):
-            value = ops.convert_to_numpy(variable.value)
+            # `numpy()` reads a replica-local scalar (the extra weight) as
+            # its aggregate, where `convert_to_numpy` of its value fails.
+            value = np.array(variable.numpy())
             if between_windows and id(variable) in stale:
                 value = np.zeros_like(value)
             store[str(i)] = value
