@@ -358,11 +358,16 @@ class GradientAccumulation(BackendAccumulation):
         summed = [i for i, over in enumerate(overwrite) if not over]
         with keras.name_scope(self.name, caller=self):
             if weight is not None:
-                weight = ops.cast(weight, "float32")
-                if not scaled:  # else `scale_loss` weighed the loss already
-                    grads = self._accum_weighed(grads, summed, weight)
                 extra = self._accum_extra_weight
-                extra.assign(ops.add(extra.value, ops.subtract(weight, 1.0)))
+                extra.assign(
+                    ops.add(
+                        extra.value,
+                        ops.subtract(ops.cast(weight, "float32"), 1.0),
+                    )
+                )
+            # The gradients to multiply by `weight`, unless `scale_loss`
+            # weighed the loss already.
+            grads_weight = None if scaled else weight
             # counter: one more micro-batch in the window.
             micro_steps = self._accum_micro_steps + 1
             self._accum_micro_steps.assign(micro_steps)
@@ -385,6 +390,7 @@ class GradientAccumulation(BackendAccumulation):
                     dict(zip(summed, totals)),
                     [i for i, has in enumerate(has_gradient) if has],
                 ),
+                grads_weight,
             )
 
     def apply_gradients(self, grads_and_vars, *, weight=None):
@@ -412,9 +418,9 @@ class GradientAccumulation(BackendAccumulation):
             self._accum_take_handoff()  # left over only if it raised early
 
     def _accum_checked_weight(self, weight):
-        """`(weight, context)`: `weight` as a float32 tensor, refused unless
-        a finite scalar > 0, and the context in which the call's state
-        changes run.
+        """`(weight, context)`: `weight` as a Python float (concrete) or a
+        float32 tensor (traced), refused unless a finite scalar > 0, and the
+        context in which the call's state changes run.
 
         A concrete value is checked now; a traced one at run time by the
         backend (`_accum_check_traced_weight`), before the state changes
@@ -432,17 +438,6 @@ class GradientAccumulation(BackendAccumulation):
                 f"{tuple(weight.shape)}"
             )
         return self._accum_check_traced_weight(ops.cast(weight, "float32"))
-
-    def _accum_weighed(self, grads, summed, weight):
-        """`grads` with the summed ones multiplied by `weight`, in their
-        sums' dtype."""
-        grads = list(grads)
-        for i in summed:
-            if grads[i] is not None:
-                grads[i] = self._accum_scale(
-                    grads[i], weight, self._accum_sums[i].dtype
-                )
-        return grads
 
     # -- Weights handed over by `model.fit` ----------------------------------
 
@@ -527,13 +522,13 @@ class GradientAccumulation(BackendAccumulation):
         The update uses the (weighted, see `apply`) mean of the gradients
         of the micro-batches the window holds (`micro_steps` of them), so a
         flushed window of `m` micro-batches of size `b` equals the parent
-        optimizer on one batch of `m * b`. Only variables that are trainable now and received
-        gradient in the window are updated. A window whose gradients are
-        not all finite (after a `TerminateOnNaN` stop, say) is discarded
-        with a warning, leaving the weights as they are. Does nothing when
-        no micro-batch is pending or with `accum_iters=1`. Call it eagerly
-        (the `FlushAccumulation` callback does, at the end of epochs or of
-        training).
+        optimizer on one batch of `m * b`. Only variables that are
+        trainable now and received gradient in the window are updated. A
+        window whose gradients are not all finite (after a `TerminateOnNaN`
+        stop, say) is discarded with a warning, leaving the weights as they
+        are. Does nothing when no micro-batch is pending or with
+        `accum_iters=1`. Call it eagerly (the `FlushAccumulation` callback
+        does, at the end of epochs or of training).
         """
         if not self._accumulates or not self.built:
             return

@@ -141,8 +141,8 @@ def concrete_value(value):
 
 
 def validate_weight(value, weight, zero_allowed=False):
-    """Returns `weight` (whose numpy value is `value`) as a float32 scalar
-    tensor, or raises unless it is a finite real number > 0 (or `0`, with
+    """Returns `weight` (whose numpy value is `value`) as a Python float, or
+    raises unless it is a finite real number > 0 (or `0`, with
     `zero_allowed`)."""
     valid = (
         value.shape == ()
@@ -159,4 +159,4 @@ def validate_weight(value, weight, zero_allowed=False):
             f"count, sum of sample weights or token count). Received: "
             f"weight={weight!r}"
         )
-    return ops.convert_to_tensor(np.float32(value))
+    return float(np.float32(value))

@@ -228,8 +228,8 @@ def test_a_bad_weight_raises_and_changes_nothing(mode, bad):
     ]
     step(grads, 2.0)
     before = _numpy(variables) + _numpy(optimizer.variables)
-    if mode == "xla":
-        # XLA drops assertions: the window that closes here turns NaN.
+    if mode in ("xla", "jit"):
+        # Compiled XLA code cannot raise: the window closing here turns NaN.
         step(grads, bad)
         assert all(np.isnan(v).all() for v in _numpy(variables))
         return

@@ -28,7 +28,7 @@ class Accumulation:
         return contextlib.nullcontext()
 
     def _accum_micro_step(
-        self, sums, grads, new_window, update_switch, apply_window
+        self, sums, grads, new_window, update_switch, apply_window, weight=None
     ):
         """One micro-step: add `grads` into `sums`, and close the window.
 
@@ -43,18 +43,22 @@ class Accumulation:
             apply_window: called as `apply_window(totals)`, with `totals`
                 the window's sums including `grads`, only when
                 `update_switch` is true.
+            weight: `None`, or the number (a Python float or a scalar
+                tensor) to multiply `grads` by before adding them.
         """
-        self._accum_add(sums, grads, new_window)
+        self._accum_add(sums, grads, new_window, weight)
         self._accum_run_if(
             update_switch, lambda: apply_window([s.value for s in sums])
         )
 
-    def _accum_add(self, sums, grads, new_window):
-        """`sum += grad`, or `sum = grad` (zero for `None`) on a new window.
+    def _accum_add(self, sums, grads, new_window, weight=None):
+        """`sum += weight * grad`, or `sum = weight * grad` (zero for
+        `None`) on a new window.
 
         One select fused into the add: under XLA cheaper than zeroing the
         sums in a separate pass.
         """
+        grads = self._accum_weighed(sums, grads, weight)
         for total, grad in zip(sums, grads):
             if grad is None:
                 grad = ops.zeros(total.shape, total.dtype)
@@ -80,6 +84,16 @@ class Accumulation:
         """Whether a weight may be `0`: a replica's, under tf.distribute,
         whose share of the micro-batch is empty."""
         return False
+
+    def _accum_weighed(self, sums, grads, weight):
+        """`grads` multiplied by `weight` (unchanged for `None`), each in
+        its sum's dtype."""
+        if weight is None:
+            return grads
+        return [
+            None if grad is None else self._accum_scale(grad, weight, s.dtype)
+            for s, grad in zip(sums, grads)
+        ]
 
     def _accum_scale(self, grad, weight, dtype):
         """`weight * grad`, in `dtype` (the sum's)."""

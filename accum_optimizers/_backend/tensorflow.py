@@ -43,14 +43,14 @@ class TFAccumulation(Accumulation):
         return tf.init_scope()
 
     def _accum_micro_step(
-        self, sums, grads, new_window, update_switch, apply_window
+        self, sums, grads, new_window, update_switch, apply_window, weight=None
     ):
         if (
             _keras_private.in_xla_context()
             or _keras_private.strategy_needs_merge_call()
         ):
             return super()._accum_micro_step(
-                sums, grads, new_window, update_switch, apply_window
+                sums, grads, new_window, update_switch, apply_window, weight
             )
 
         # Only a schedule with `k = 1` closes a window on its first
@@ -58,21 +58,22 @@ class TFAccumulation(Accumulation):
         first = new_window if self._accum_may_close_on_first else None
 
         def window():
+            weighed = self._accum_weighed(sums, grads, weight)
             apply_window(
-                [_plus(s.value, grad, first) for s, grad in zip(sums, grads)]
+                [_plus(s.value, grad, first) for s, grad in zip(sums, weighed)]
             )
             return tf.constant(True)
 
         def add():
-            self._accum_add(sums, grads, new_window)
+            self._accum_add(sums, grads, new_window, weight)
             return tf.constant(False)
 
         _branch(update_switch, window, add)
 
-    def _accum_add(self, sums, grads, new_window):
+    def _accum_add(self, sums, grads, new_window, weight=None):
         if _keras_private.in_xla_context():
             # XLA densifies `IndexedSlices`; the select fuses into the add.
-            return super()._accum_add(sums, grads, new_window)
+            return super()._accum_add(sums, grads, new_window, weight)
         if _keras_private.strategy_needs_merge_call():
             # tf.distribute cannot scatter into a replica-local variable:
             # an embedding's `IndexedSlices` is added densely.
@@ -82,7 +83,8 @@ class TFAccumulation(Accumulation):
                 else g
                 for g in grads
             ]
-            return super()._accum_add(sums, grads, new_window)
+            return super()._accum_add(sums, grads, new_window, weight)
+        grads = self._accum_weighed(sums, grads, weight)
 
         def overwrite():
             for total, grad in zip(sums, grads):

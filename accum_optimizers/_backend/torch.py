@@ -8,8 +8,12 @@ from accum_optimizers._backend.base import Accumulation
 
 class TorchAccumulation(Accumulation):
     @torch.no_grad()
-    def _accum_add(self, sums, grads, new_window):
+    def _accum_add(self, sums, grads, new_window, weight=None):
         # `_accum_end_window` zeroed the sums: a new window needs no select.
+        # A weight known on the host multiplies inside the add (`alpha`).
+        alpha = weight if isinstance(weight, float) else 1
+        if weight is not None and not isinstance(weight, float):
+            grads = self._accum_weighed(sums, grads, weight)
         pairs = [(s, g) for s, g in zip(sums, grads) if g is not None]
         targets = [total.value for total, _ in pairs]
         sources = [
@@ -17,7 +21,7 @@ class TorchAccumulation(Accumulation):
             for (_, grad), target in zip(pairs, targets)
         ]
         if targets:
-            torch._foreach_add_(targets, sources)
+            torch._foreach_add_(targets, sources, alpha=alpha)
 
     @torch.no_grad()
     def _accum_window_mean(self, totals, count):
