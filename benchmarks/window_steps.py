@@ -77,7 +77,12 @@ def compiled_step(workload, config, optimizer_name, xla=False):
         workload, config, optimizer_name, xla, contextlib.nullcontext
     )
     model.fit(x, y, batch_size=batch, verbose=0)  # builds every variable
-    data = (x[:batch], y[:batch])
+    return step_runner(model, (x[:batch], y[:batch]), xla)
+
+
+def step_runner(model, data, xla=False):
+    """Returns (one synchronous call of the built `model`'s `train_step` on
+    `data`, compiled as `fit` compiles it; copies in it, or `None`)."""
     backend = keras.backend.backend()
     if backend == "jax":
         return _jax_step(model, data)
