@@ -77,7 +77,9 @@ class Accumulation:
     def _accum_check_traced_weight(self, weight):
         """`(weight, context)`: makes the call fail, before the state
         changes run in `context`, unless the traced scalar `weight` is
-        finite and `> 0` (concrete weights are checked in Python)."""
+        finite and `> 0` (concrete weights are checked in Python). Where
+        compiled code cannot fail (XLA), the returned weight is NaN
+        instead, which makes the window's update NaN."""
         return weight, contextlib.nullcontext()
 
     def _accum_zero_weight_allowed(self):

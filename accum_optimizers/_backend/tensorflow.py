@@ -130,10 +130,10 @@ class TFAccumulation(Accumulation):
         )
 
     def _accum_check_traced_weight(self, weight):
-        smallest = 0.0 if self._accum_zero_weight_allowed() else None
-        valid = tf.math.is_finite(weight) & (
-            weight > 0 if smallest is None else weight >= smallest
-        )
+        if self._accum_zero_weight_allowed():
+            valid = tf.math.is_finite(weight) & (weight >= 0)
+        else:
+            valid = tf.math.is_finite(weight) & (weight > 0)
         if _keras_private.in_xla_context():
             # XLA drops assertions: an invalid weight makes the window's
             # gradients NaN instead, which `flush` discards and
