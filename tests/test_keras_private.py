@@ -36,3 +36,25 @@ def test_fused_class_is_what_keras_instantiates():
 
         fused = _keras_private.fused_class(keras.optimizers.Adam)
         assert fused is torch_adam.Adam
+
+
+@pytest.mark.parametrize("name", _keras_private.LOSS_MODULE_FUNCTIONS)
+def test_loss_module_function_exists(name):
+    assert callable(getattr(_keras_private.loss_module(), name, None)), name
+
+
+@pytest.mark.parametrize("name", _keras_private.TRAINER_ATTRIBUTES)
+def test_trainer_private_attribute_exists(name):
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    assert hasattr(model, name), name
+
+
+def test_recorded_loss_reductions_see_keras_losses_and_restore_them():
+    module = _keras_private.loss_module()
+    original = module.reduce_weighted_values
+    loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
+    with _keras_private.recorded_loss_reductions() as records:
+        loss(keras.ops.ones((3, 2)), keras.ops.zeros((3, 2)), [1.0, 2.0, 0.5])
+    assert module.reduce_weighted_values is original
+    assert [r.reduction for r in records] == ["mean_with_sample_weight"]
+    assert tuple(records[0].values.shape) == (3,)
