@@ -3,6 +3,8 @@
     KERAS_BACKEND=tensorflow python cross_backend_worker.py save DIR
     KERAS_BACKEND=jax python cross_backend_worker.py resume DIR
 
+The test calls `save` in its own process and runs `resume` as above.
+
 `save` trains 6 of 8 micro-batches (one window of 4 applied, 2 pending) and
 saves `DIR/model.keras` plus the initial weights. `resume` loads the model on
 its own backend, trains the last 2 micro-batches, and writes the resumed

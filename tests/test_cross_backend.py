@@ -1,7 +1,9 @@
 """A `.keras` file saved mid-window on one backend resumes on another.
 
-Runs once, from the TensorFlow test process; each side runs in its own
-subprocess (Keras holds one backend per process).
+Each pair runs in the test process of its source backend, which saves in
+process; the target resumes in a subprocess (Keras holds one backend per
+process). The three pairs close a cycle over the backends, one pair per
+test process.
 """
 
 import importlib.util
@@ -10,13 +12,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import keras
 import numpy as np
 import pytest
 
 HERE = Path(__file__).resolve().parent
+PAIRS = [("tensorflow", "jax"), ("jax", "torch"), ("torch", "tensorflow")]
 
 
-def _run(backend, action, directory):
+def _resume_in_subprocess(backend, directory):
     if importlib.util.find_spec(backend) is None:
         pytest.skip(f"backend {backend} is not installed")
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
@@ -24,7 +28,7 @@ def _run(backend, action, directory):
         [
             sys.executable,
             str(HERE / "cross_backend_worker.py"),
-            action,
+            "resume",
             str(directory),
         ],
         cwd=HERE,
@@ -36,17 +40,26 @@ def _run(backend, action, directory):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-@pytest.mark.backends("tensorflow")
 @pytest.mark.parametrize(
     "source, target",
-    [("tensorflow", "jax"), ("jax", "torch"), ("torch", "tensorflow")],
-    ids=lambda name: name,
+    [
+        pytest.param(
+            source,
+            target,
+            marks=pytest.mark.backends(source),
+            id=f"{source}-{target}",
+        )
+        for source, target in PAIRS
+    ],
 )
 def test_saved_mid_window_on_one_backend_resumes_on_another(
     source, target, tmp_path
 ):
-    _run(source, "save", tmp_path)
-    _run(target, "resume", tmp_path)
+    import cross_backend_worker
+
+    assert keras.backend.backend() == source
+    cross_backend_worker.save(tmp_path)
+    _resume_in_subprocess(target, tmp_path)
     result = np.load(tmp_path / "result.npz")
     assert int(result["iterations"]) == 2
     np.testing.assert_allclose(

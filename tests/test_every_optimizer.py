@@ -141,7 +141,7 @@ def _step(optimizer, mode="eager"):
 def test_every_keras_optimizer_equals_its_parent_on_window_means(
     name, options, accum_iters, count, seed
 ):
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     parent_cls = getattr(keras.optimizers, name)
     cls = getattr(accum_optimizers, f"{name}Accumulate")
     optimizer = cls(accum_iters=accum_iters, **options)

@@ -108,6 +108,8 @@ def _load_example(name):
     return module
 
 
+# The callback talks to Optuna only; one backend runs it.
+@pytest.mark.backends("torch")
 def test_optuna_pruning_callback_stops_a_trial_after_the_reported_epoch():
     optuna = pytest.importorskip("optuna")
     pytest.importorskip("sklearn")

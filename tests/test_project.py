@@ -1,4 +1,9 @@
-"""Project promises: README's commands, CI, the demo."""
+"""Project promises: README's commands, CI, the demo.
+
+Runs in the torch process only: the files and the test runner do not depend
+on the backend, and the demo's training is the optimizers' own, which every
+backend's other tests check against the big batch.
+"""
 
 import contextlib
 import io
@@ -7,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+pytestmark = pytest.mark.backends("torch")
 
 ROOT = Path(__file__).resolve().parent.parent
 

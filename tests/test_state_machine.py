@@ -47,7 +47,7 @@ class AccumulationMachine(RuleBasedStateMachine):
         name=st.sampled_from(sorted(CLASSES)), accum_iters=st.integers(2, 4)
     )
     def setup(self, name, accum_iters):
-        keras.backend.clear_session()
+        keras.backend.clear_session(free_memory=False)
         cls, parent_cls, self.options = CLASSES[name]
         self.cls, self.accum_iters = cls, accum_iters
         initial = [np.full(s, 0.5, "float32") for s in SHAPES]
