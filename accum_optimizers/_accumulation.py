@@ -23,12 +23,10 @@ Each call reads
 
 A call may weigh its micro-batch (`apply(grads, weight=n)`, `n` the
 normalizer of the micro-batch's loss): it adds `n * grads` and the window
-divides by the total weight instead of `micro_steps`, so the update is
-sum(n_j g_j) / sum(n_j), the big batch's own mean gradient even when
-micro-batches differ in size, sample weights or valid tokens. The total
-weight is kept as `micro_steps + extra_weight`, `extra_weight` the sum of
-`n - 1` over the weighted calls: a call without a weight counts 1 and does
-no more work than before.
+divides by its total weight, the sum of the `n_j` (a call without a weight
+counts 1), so the update is sum(n_j g_j) / sum(n_j), the big batch's own
+mean gradient even when micro-batches differ in size, sample weights or
+valid tokens.
 
 The `if` is a real branch on every backend, so accumulating micro-steps never
 run the update math; how each backend arranges it is in `_backend`. With
@@ -52,16 +50,17 @@ from keras import backend
 from keras import config as keras_config
 from keras import ops
 
+from accum_optimizers import schedules
 from accum_optimizers._backend import BackendAccumulation
+from accum_optimizers._restore import WINDOW_STATE
 from accum_optimizers._restore import Layout
+from accum_optimizers._restore import is_empty
+from accum_optimizers._restore import micro_batches_seen
 from accum_optimizers._restore import plan_restore
 from accum_optimizers._validation import concrete_value
-from accum_optimizers._validation import validate_accum_iters_or_schedule
 from accum_optimizers._validation import validate_accumulator_dtype
 from accum_optimizers._validation import validate_decay
 from accum_optimizers._validation import validate_weight
-from accum_optimizers.schedules import AccumSchedule
-from accum_optimizers.schedules import PiecewiseConstantAccumIters
 
 _LOW_PRECISION_DTYPES = ("float16", "bfloat16")
 
@@ -103,9 +102,11 @@ class GradientAccumulation(BackendAccumulation):
         decay=None,
         **kwargs,
     ):
-        accum_iters = validate_accum_iters_or_schedule(accum_iters)
+        accum_iters = schedules.get(accum_iters)
         schedule = (
-            accum_iters if isinstance(accum_iters, AccumSchedule) else None
+            accum_iters
+            if isinstance(accum_iters, schedules.AccumSchedule)
+            else None
         )
         accumulator_dtype = validate_accumulator_dtype(accumulator_dtype)
         decay = validate_decay(decay)
@@ -128,15 +129,10 @@ class GradientAccumulation(BackendAccumulation):
                 stacklevel=2,
             )
         super().__init__(*arguments.args[1:], **arguments.kwargs)
-        if isinstance(schedule, PiecewiseConstantAccumIters):
+        if isinstance(schedule, schedules.PiecewiseConstantAccumIters):
             accum_iters = dict(schedule.boundaries)
+        # An int, a dict `{update: k}`, or an `AccumSchedule`.
         self.accum_iters = accum_iters
-        self._accum_schedule = schedule
-        # Whether a window may close on its first micro-step (`k = 1` in a
-        # schedule), which the backends' cheapest arrangements rule out.
-        self._accum_may_close_on_first = schedule is not None and (
-            schedule.min_accum_iters == 1
-        )
         self.accumulator_dtype = accumulator_dtype
         self.decay = decay
 
@@ -178,25 +174,14 @@ class GradientAccumulation(BackendAccumulation):
         super().build(variables)
         parent = len(self.variables)
         if self._accumulates:
-            self._accum_micro_steps = self._accum_add_variable(
-                "accum_micro_steps", shape=(), dtype="int32"
-            )
-            self._accum_micro_batches = self._accum_add_variable(
-                "accum_micro_batches", shape=(), dtype="int32"
-            )
-            self._accum_seen = self._accum_add_variable(
-                "accum_seen", shape=(len(variables),), dtype="int32"
-            )
-            # Under tf.distribute each replica adds its own micro-batches'
-            # weights; read or assigned outside a replica this is their mean,
-            # the share of the total weight that goes with one replica's
-            # sums (see `_accum_total_weight`).
-            self._accum_extra_weight = self._accum_add_variable(
-                "accum_extra_weight",
-                shape=(),
-                dtype="float32",
-                aggregation="mean",
-            )
+            for state in WINDOW_STATE:
+                variable = self._accum_add_variable(
+                    f"accum_{state.name}",
+                    shape=state.shape(len(variables)),
+                    dtype=state.dtype,
+                    aggregation=state.aggregation,
+                )
+                setattr(self, f"_accum_{state.name}", variable)
             self._accum_sums = [
                 self._accum_add_sum(variable) for variable in variables
             ]
@@ -226,14 +211,14 @@ class GradientAccumulation(BackendAccumulation):
 
         Under `tf.distribute` each replica adds its own gradients into its
         own copy, without communication; the window sums the copies once.
-        Read outside a replica (saving), a sum is the total over replicas
-        and a counter the first replica's; assigned outside (restoring), a
-        sum is split evenly. Elsewhere this is a plain variable, laid out
-        like `reference`. `aggregation` overrides the default: `"sum"` for
-        sums (with a `reference`), `"only_first_replica"` for counters.
+        Read outside a replica (saving), a sum is the total over replicas;
+        assigned outside (restoring), it is split evenly. Elsewhere this is
+        a plain variable, laid out like `reference`. `aggregation` is
+        `"sum"` for sums (with a `reference`); the window's other variables
+        declare theirs (`WINDOW_STATE`).
         """
         if aggregation is None:
-            aggregation = "only_first_replica" if reference is None else "sum"
+            aggregation = "sum"
         with self._accum_colocate(reference):
             with keras.name_scope(self.name, caller=self):
                 variable = keras.Variable(
@@ -255,6 +240,16 @@ class GradientAccumulation(BackendAccumulation):
     def _accumulates(self):
         """False for `accum_iters=1`: the parent optimizer unchanged."""
         return self._accum_schedule is not None or self.accum_iters > 1
+
+    @property
+    def _accum_schedule(self):
+        """The `AccumSchedule` `accum_iters` stands for, or `None` for a
+        constant window size."""
+        if isinstance(self.accum_iters, dict):
+            return schedules.PiecewiseConstantAccumIters(self.accum_iters)
+        if isinstance(self.accum_iters, schedules.AccumSchedule):
+            return self.accum_iters
+        return None
 
     def _accum_window_size(self, updates=None):
         """`k` for the window that produces the next update: an int, or an
@@ -332,6 +327,8 @@ class GradientAccumulation(BackendAccumulation):
         if weight is None and handoff is not None:
             weight = handoff.weight
             scaled, check = handoff.loss_scaled, handoff.check
+        if weight is not None:
+            self._accum_check_weighable()
         checked = contextlib.nullcontext()
         if weight is not None and check:
             weight, checked = self._accum_checked_weight(weight)
@@ -357,14 +354,13 @@ class GradientAccumulation(BackendAccumulation):
         ]
         summed = [i for i, over in enumerate(overwrite) if not over]
         with keras.name_scope(self.name, caller=self):
-            if weight is not None:
-                extra = self._accum_extra_weight
-                extra.assign(
-                    ops.add(
-                        extra.value,
-                        ops.subtract(ops.cast(weight, "float32"), 1.0),
-                    )
+            total_weight = self._accum_total_weight
+            total_weight.assign(
+                ops.add(
+                    total_weight.value,
+                    1.0 if weight is None else ops.cast(weight, "float32"),
                 )
+            )
             # The gradients to multiply by `weight`, unless `scale_loss`
             # weighed the loss already.
             grads_weight = None if scaled else weight
@@ -417,6 +413,17 @@ class GradientAccumulation(BackendAccumulation):
         finally:
             self._accum_take_handoff()  # left over only if it raised early
 
+    def _accum_check_weighable(self):
+        """Refuses weights when the sums are float16: `weight * grad`
+        overflows float16's range (65504) at token counts."""
+        if self._accumulates and self.accumulator_dtype == "float16":
+            raise ValueError(
+                "Weighted windows (`weight=`, `weigh_micro_batches`) need an "
+                "accumulator with float32's range: a weighted gradient "
+                "overflows float16. Pass accumulator_dtype='bfloat16', "
+                "'float32' or None. Received: accumulator_dtype='float16'"
+            )
+
     def _accum_checked_weight(self, weight):
         """`(weight, context)`: `weight` as a Python float (concrete) or a
         float32 tensor (traced), refused unless a finite scalar > 0, and the
@@ -444,6 +451,7 @@ class GradientAccumulation(BackendAccumulation):
     def _accum_hand_over(self, weight, loss_scaled=False, check=False):
         """Sets the weight of this thread's next `apply` (the micro-batch
         whose loss is being computed); see `weigh_micro_batches`."""
+        self._accum_check_weighable()
         handoffs = self.__dict__.setdefault("_accum_handoffs", {})
         handoffs[threading.get_ident()] = _Handoff(weight, loss_scaled, check)
 
@@ -577,10 +585,7 @@ class GradientAccumulation(BackendAccumulation):
         summed = [i for i in present if i in totals]
         # Read the counts here, inside the branch: under TensorFlow's XLA
         # loop, a tensor captured from outside costs every micro-step.
-        total_weight = ops.add(
-            ops.cast(self._accum_micro_steps.value, "float32"),
-            self._accum_extra_weight.value,
-        )
+        total_weight = self._accum_total_weight.value
         sums, total_weight = self._accum_reduce_window(
             [totals[i] for i in summed], total_weight
         )
@@ -642,41 +647,26 @@ class GradientAccumulation(BackendAccumulation):
 
     # -- Saving and loading ------------------------------------------------
 
-    def save_own_variables(self, store):
-        if not self._accumulates or not self.built:
-            return super().save_own_variables(store)
-        # Between windows the sums and the mask may still hold the last
-        # window's values (the next micro-step overwrites them); save the
-        # empty window they stand for.
-        between_windows = int(ops.convert_to_numpy(self._accum_micro_steps))
-        between_windows = between_windows == 0
-        stale = {id(v) for v in self._accum_sums + [self._accum_seen]}
-        for i, variable in enumerate(self.variables):
-            # `numpy()` reads a replica-local scalar (the extra weight) as
-            # its aggregate, where `convert_to_numpy` of its value fails.
-            value = np.array(variable.numpy())
-            if between_windows and id(variable) in stale:
-                value = np.zeros_like(value)
-            store[str(i)] = value
-
     def load_own_variables(self, store):
         values = [store[str(i)] for i in range(len(store.keys()))]
         values = [np.array(value) for value in values]
         if not self.built:
-            if len(values) == len(self.variables):
-                return super().load_own_variables(store)
+            if len(values) == len(self.variables) and not values[0]:
+                return super().load_own_variables(store)  # untrained
             # Saved after training, loaded before `build`: keep the values
-            # and restore them when the optimizer builds.
+            # and check and restore them when the optimizer builds.
             self._accum_pending_restore = tuple(values)
             return
         self._accum_restore(values)
 
     def _accum_restore(self, values):
+        accum_iters = self.accum_iters
+        if isinstance(accum_iters, schedules.AccumSchedule):
+            accum_iters = type(accum_iters).__name__
         describe = (
-            f"'{self.name}' ({type(self).__name__}, "
-            f"accum_iters={self.accum_iters})"
+            f"'{self.name}' ({type(self).__name__}, accum_iters={accum_iters})"
         )
-        pairs = plan_restore(
+        parent, window = plan_restore(
             values,
             self._accum_layout,
             lambda updates: int(
@@ -684,8 +674,12 @@ class GradientAccumulation(BackendAccumulation):
             ),
             describe,
         )
+        empty = is_empty(window)
+        restored = list(parent)
+        if self._accumulates and not empty:
+            restored += window
         variables = self.variables
-        for index, value in pairs:
+        for index, value in enumerate(restored):
             if tuple(np.shape(value)) != tuple(variables[index].shape):
                 raise ValueError(
                     f"Cannot restore the state of optimizer {describe}: "
@@ -693,19 +687,18 @@ class GradientAccumulation(BackendAccumulation):
                     f"'{variables[index].path}' has shape "
                     f"{tuple(variables[index].shape)}."
                 )
-        restored = {index for index, _ in pairs}
-        for index, value in pairs:
-            variables[index].assign(value)
-        if self._accumulates and self._accum_layout.parent not in restored:
-            # A state without a window: an empty one; micro-batches seen
-            # count one per update, as `accum_iters=1` would.
-            updates = ops.convert_to_numpy(self._iterations.value)
-            self._accum_micro_batches.assign(np.array(updates, "int32"))
+        for variable, value in zip(variables, restored):
+            variable.assign(value)
+        if self._accumulates and empty:
+            self._accum_end_window()
+            self._accum_micro_batches.assign(
+                np.array(micro_batches_seen(parent, window), "int32")
+            )
 
     def get_config(self):
         config = super().get_config()
         accum_iters = self.accum_iters
-        if isinstance(accum_iters, AccumSchedule):
+        if isinstance(accum_iters, schedules.AccumSchedule):
             accum_iters = keras.saving.serialize_keras_object(accum_iters)
         config.update(
             {

@@ -1,20 +1,63 @@
-"""What a saved optimizer state means for an accumulating optimizer.
+"""The window's state, declared once, and what a saved state means.
 
-The saved values are indexed by position, in the order the optimizer
-created its variables: the parent optimizer's variables before `build`
-(`iterations`, and `learning_rate` when it is a float), those `build` adds
-(moments, EMA averages), then, with `accum_iters > 1`, the window's state:
-the micro-step counter, the micro-batch counter, the mask of variables that
-received gradient in the window, the window's extra weight (see
-`GradientAccumulation.apply`), and one sum per trainable variable.
+An accumulating optimizer's variables are, in order: the parent optimizer's
+variables before `build` (`iterations`, and `learning_rate` when it is a
+float), those the parent's `build` adds (moments, EMA averages), then, with
+`accum_iters > 1`, the variables of `WINDOW_STATE` and one sum per
+trainable variable. `build` creates them from this declaration; saving
+writes every variable as it is; restoring (`plan_restore`) reads them back
+by position.
 """
 
 import numpy as np
 
-# Variables of the window's state before the per-variable sums.
-WINDOW_SCALARS = 4
-# Of those, the ones 0.1.0 saved (the two counters).
-WINDOW_SCALARS_0_1_0 = 2
+
+class WindowVariable:
+    """One variable of the window's state, before the per-variable sums.
+
+    Args:
+        name: the attribute (`_accum_<name>`) and variable (`accum_<name>`)
+            name.
+        dtype: the variable's dtype.
+        per_variable: whether it holds one entry per trainable variable
+            (shape `(len(variables),)`) instead of a scalar.
+        aggregation: its `tf.distribute` aggregation: `"only_first_replica"`
+            for values every replica holds alike, `"mean"` for a value each
+            replica accumulates on its own (read outside a replica as their
+            mean, the share that goes with one replica's sums).
+        saved_by_0_1_0: whether 0.1.0 saved it.
+    """
+
+    def __init__(
+        self,
+        name,
+        dtype,
+        per_variable=False,
+        aggregation="only_first_replica",
+        saved_by_0_1_0=False,
+    ):
+        self.name = name
+        self.dtype = dtype
+        self.per_variable = per_variable
+        self.aggregation = aggregation
+        self.saved_by_0_1_0 = saved_by_0_1_0
+
+    def shape(self, variable_count):
+        return (variable_count,) if self.per_variable else ()
+
+
+WINDOW_STATE = (
+    # Micro-batches in the pending window; 0 between windows.
+    WindowVariable("micro_steps", "int32", saved_by_0_1_0=True),
+    # Micro-batches accumulated since creation.
+    WindowVariable("micro_batches", "int32", saved_by_0_1_0=True),
+    # Which variables received gradient in the window (`flush` updates
+    # those alone).
+    WindowVariable("seen", "int32", per_variable=True),
+    # The sum of the window's micro-batch weights (1 each without `weight`):
+    # the window's mean gradient is its sums divided by this.
+    WindowVariable("total_weight", "float32", aggregation="mean"),
+)
 
 
 class Layout:
@@ -35,21 +78,31 @@ class Layout:
     def has_window(self):
         return self.total > self.parent
 
+    @property
+    def sums(self):
+        """The number of per-variable sums (0 without a window)."""
+        if not self.has_window:
+            return 0
+        return self.total - self.parent - len(WINDOW_STATE)
+
 
 def plan_restore(values, layout, window_size_at, describe):
-    """Checks saved `values` against `layout`; returns what to assign.
+    """Checks saved `values` against `layout`.
 
-    Returns a list of `(index, value)` pairs; the variables it leaves out
-    keep their fresh values (an empty window). Raises `ValueError`, naming
-    the problem, for a state this optimizer cannot continue exactly:
+    Returns `(parent, window)`: the parent optimizer's values, and the
+    window's values in the order of `WINDOW_STATE` followed by the sums, or
+    `None` when the state has none (see `is_empty`).
+    Raises `ValueError`, naming the problem, for a state this optimizer
+    cannot continue exactly:
 
     - a saved pending window that the window size cannot hold (it holds
       `k - 1` micro-batches at most, `k = window_size_at(iterations)`);
     - counters that no run produces (negative, or more pending micro-batches
       than seen);
-    - a variable count that matches none of: this configuration, the same
-      configuration saved before training (`unbuilt`), the parent's state
-      alone (saved with `accum_iters=1` or by the parent Keras class).
+    - a variable count that matches none of: this configuration, the parent's
+      state alone (saved with `accum_iters=1` or by the parent Keras class),
+      the same configuration saved before training (`unbuilt` variables,
+      with `iterations` 0), a window saved by 0.1.0.
 
     Args:
         values: the saved arrays, in order.
@@ -59,39 +112,33 @@ def plan_restore(values, layout, window_size_at, describe):
         describe: a string naming the optimizer, for error messages.
     """
     count = len(values)
-    if count == layout.total:
+    window = None
+    if count == layout.parent:
+        parent = values
+    elif count == layout.total:
         parent, window = values[: layout.parent], values[layout.parent :]
     elif (
         layout.has_window
-        and count == layout.total - (WINDOW_SCALARS - WINDOW_SCALARS_0_1_0)
+        and count == layout.total - _absent_from_0_1_0()
         and _is_window_of(values, layout.parent)
         and np.shape(values[layout.parent + 1]) == ()
     ):
-        # Saved by 0.1.0, which had no mask of the variables that received
-        # gradient (its flush updated every variable) and no weights (every
-        # micro-batch counted 1: no extra weight).
-        parent, window = values[: layout.parent], values[layout.parent :]
-        variables = layout.total - layout.parent - WINDOW_SCALARS
-        seen = np.ones(variables, "int32")
-        extra_weight = np.zeros((), "float32")
-        window = window[:2] + [seen, extra_weight] + window[2:]
+        parent = values[: layout.parent]
+        window = _window_of_0_1_0(values[layout.parent :], layout.sums)
     elif count == layout.unbuilt:
-        # Saved before the optimizer was built: nothing trained yet.
-        parent, window = values, []
-    elif count == layout.parent:
-        parent, window = values, []
-    elif not layout.has_window and _is_window_of(values, layout.parent):
-        parent, window = values[: layout.parent], values[layout.parent :]
-        pending = int(np.asarray(window[0]))
-        if pending:
+        parent = values
+        if int(np.asarray(parent[0])) != 0:
             raise ValueError(
                 f"Cannot restore the state of optimizer {describe}: the "
-                f"checkpoint holds a pending window of {pending} "
-                "micro-batches, which accum_iters=1 cannot continue. Load it "
-                f"with accum_iters > {pending} and call `flush()`, or save "
-                "it between windows."
+                f"checkpoint holds {count} optimizer variables with "
+                f"iterations={int(np.asarray(parent[0]))}, the trained state "
+                "of an optimizer without the moments this one keeps "
+                f"({layout.parent} variables once built). It was saved by "
+                "another optimizer or configuration; rebuild the optimizer "
+                "with the saved configuration."
             )
-        window = []
+    elif not layout.has_window and _is_window_of(values, layout.parent):
+        parent, window = values[: layout.parent], values[layout.parent :]
     else:
         raise ValueError(
             f"Cannot restore the state of optimizer {describe}: the "
@@ -101,31 +148,64 @@ def plan_restore(values, layout, window_size_at, describe):
             "use_ema, or a learning-rate schedule instead of a float); "
             "rebuild the optimizer with the saved configuration."
         )
-    _check_counters(parent, window, window_size_at, describe)
-    pairs = list(enumerate(parent))
-    if window and layout.has_window:
-        pairs += [(layout.parent + i, v) for i, v in enumerate(window)]
-    return pairs
+    _check_counters(parent, window, layout, window_size_at, describe)
+    return parent, window
+
+
+def is_empty(window):
+    """Whether a planned `window` holds no pending micro-batch. Between
+    windows the sums may hold the last window's values, which the next
+    micro-step overwrites: they are not restored."""
+    return window is None or int(np.asarray(window[0])) == 0
+
+
+def micro_batches_seen(parent, window):
+    """The micro-batches seen that a restored state counts: the saved count,
+    or one per update for a state saved without a window (as
+    `accum_iters=1` counts)."""
+    if window is not None:
+        return int(np.asarray(window[1]))
+    return int(np.asarray(parent[0]))
+
+
+def _absent_from_0_1_0():
+    return sum(not v.saved_by_0_1_0 for v in WINDOW_STATE)
+
+
+def _window_of_0_1_0(window, sums):
+    """0.1.0's window (the two counters, then the sums) in today's layout:
+    every variable counts as seen (its flush updated every variable) and
+    every micro-batch weighed 1."""
+    saved = iter(window)
+    upgraded = []
+    for variable in WINDOW_STATE:
+        if variable.saved_by_0_1_0:
+            upgraded.append(next(saved))
+        elif variable.name == "seen":
+            upgraded.append(np.ones(sums, "int32"))
+        else:  # total_weight
+            upgraded.append(np.asarray(window[0], "float32"))
+    return upgraded + list(saved)
 
 
 def _is_window_of(values, parent_count):
     """Whether `values` is a parent state followed by a window's state."""
+    counters = len(WINDOW_STATE) - _absent_from_0_1_0()
     extra = len(values) - parent_count
-    return extra > WINDOW_SCALARS_0_1_0 and np.shape(values[parent_count]) == ()
+    return extra > counters and np.shape(values[parent_count]) == ()
 
 
-def _check_counters(parent, window, window_size_at, describe):
+def _check_counters(parent, window, layout, window_size_at, describe):
     iterations = int(np.asarray(parent[0]))
     if iterations < 0:
         raise ValueError(
             f"Cannot restore the state of optimizer {describe}: the "
             f"checkpoint's update counter is {iterations}; it must be >= 0."
         )
-    if not window:
+    if window is None:
         return
     pending = int(np.asarray(window[0]))
     seen = int(np.asarray(window[1]))
-    accum_iters = window_size_at(iterations)
     if not 0 <= pending <= seen:
         raise ValueError(
             f"Cannot restore the state of optimizer {describe}: the "
@@ -133,6 +213,15 @@ def _check_counters(parent, window, window_size_at, describe):
             f"micro_batches_seen={seen}); it was not written by an "
             "accumulating optimizer."
         )
+    if pending and not layout.has_window:
+        raise ValueError(
+            f"Cannot restore the state of optimizer {describe}: the "
+            f"checkpoint holds a pending window of {pending} "
+            "micro-batches, which accum_iters=1 cannot continue. Load it "
+            f"with accum_iters > {pending} and call `flush()`, or save "
+            "it between windows."
+        )
+    accum_iters = window_size_at(iterations)
     if pending >= accum_iters:
         raise ValueError(
             f"Cannot restore the state of optimizer {describe}: the "

@@ -10,6 +10,9 @@ from keras import ops
 
 ACCUMULATOR_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
+# The smallest weight float32 holds at full precision.
+MIN_WEIGHT = float(np.finfo(np.float32).tiny)
+
 # Counters are int32 on every backend.
 MAX_ACCUM_ITERS = 2**31 - 1
 
@@ -34,24 +37,6 @@ def validate_accum_iters(accum_iters):
             f"Received: accum_iters={accum_iters!r}"
         )
     return int(accum_iters)
-
-
-def validate_accum_iters_or_schedule(accum_iters):
-    """Returns an `int`, or an `AccumSchedule` (a dict becomes one).
-
-    A dict with the single key `0` is the constant it holds.
-    """
-    from accum_optimizers.schedules import AccumSchedule
-    from accum_optimizers.schedules import PiecewiseConstantAccumIters
-
-    if isinstance(accum_iters, AccumSchedule):
-        return accum_iters
-    if isinstance(accum_iters, dict):
-        boundaries = validate_boundaries(accum_iters)
-        if len(boundaries) == 1:
-            return boundaries[0]
-        return PiecewiseConstantAccumIters(boundaries)
-    return validate_accum_iters(accum_iters)
 
 
 def validate_boundaries(boundaries):
@@ -150,13 +135,16 @@ def validate_weight(value, weight, zero_allowed=False):
         and bool(np.isfinite(value))
         and (value > 0 or (zero_allowed and value == 0))
     )
-    if valid:
-        with np.errstate(over="ignore"):
-            valid = bool(np.isfinite(np.float32(value)))
+    if valid and value != 0:
+        # The window's total weight is a float32 sum of weights.
+        with np.errstate(over="ignore", under="ignore"):
+            single = np.float32(value)
+        valid = bool(np.isfinite(single)) and single >= MIN_WEIGHT
     if not valid:
         raise ValueError(
-            "`weight` must be a finite number > 0 (the micro-batch's sample "
-            f"count, sum of sample weights or token count). Received: "
-            f"weight={weight!r}"
+            "`weight` must be a finite number > 0 that float32 holds (from "
+            f"{MIN_WEIGHT:.3g} to {np.finfo(np.float32).max:.3g}: the "
+            "micro-batch's sample count, sum of sample weights or token "
+            f"count). Received: weight={weight!r}"
         )
     return float(np.float32(value))

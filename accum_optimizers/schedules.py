@@ -16,7 +16,31 @@ optimizer = AdamAccumulate(accum_iters=LinearRamp(1, 8, ramp_updates=2000))
 from keras import ops
 from keras.saving import register_keras_serializable
 
+from accum_optimizers._validation import validate_accum_iters
+from accum_optimizers._validation import validate_boundaries
+
 _PACKAGE = "accum_optimizers"
+
+
+def get(identifier):
+    """The window size `accum_iters` names: an `int`, or an `AccumSchedule`.
+
+    Args:
+        identifier: an integer >= 1, a dict `{update: k}` (a dict with the
+            single key `0` is the constant it holds), or an `AccumSchedule`.
+
+    Returns:
+        The integer, or the schedule (a dict becomes a
+        `PiecewiseConstantAccumIters`).
+    """
+    if isinstance(identifier, AccumSchedule):
+        return identifier
+    if isinstance(identifier, dict):
+        boundaries = validate_boundaries(identifier)
+        if len(boundaries) == 1:
+            return boundaries[0]
+        return PiecewiseConstantAccumIters(boundaries)
+    return validate_accum_iters(identifier)
 
 
 class AccumSchedule:
@@ -53,8 +77,6 @@ class PiecewiseConstantAccumIters(AccumSchedule):
     """
 
     def __init__(self, boundaries):
-        from accum_optimizers._validation import validate_boundaries
-
         self.boundaries = validate_boundaries(boundaries)
         self.min_accum_iters = min(self.boundaries.values())
 
@@ -88,8 +110,6 @@ class LinearRamp(AccumSchedule):
     """
 
     def __init__(self, initial, final, ramp_updates):
-        from accum_optimizers._validation import validate_accum_iters
-
         for name, value in (
             ("initial", initial),
             ("final", final),

@@ -53,6 +53,9 @@ def weigh_micro_batches(model):
             "`model` must be a `keras.Model`. Received: "
             f"model={model!r} of type {type(model).__name__}"
         )
+    optimizer = _accumulating_optimizer(getattr(model, "optimizer", None))
+    if optimizer is not None:
+        optimizer._accum_check_weighable()
     if getattr(model, "_accum_weighs_micro_batches", False):
         return model
     compute_loss = model.compute_loss

@@ -429,11 +429,11 @@ def test_a_window_saved_by_0_1_0_without_mask_and_weight_resumes():
     optimizer = AdamAccumulate(0.1, accum_iters=3)
     variables = _variables()
     optimizer.build(variables)
-    # 0.1.0 had neither the mask nor the extra weight.
+    # 0.1.0 had neither the mask nor the total weight.
     absent = {
         i
         for i, v in enumerate(optimizer.variables)
-        if v is optimizer._accum_seen or v is optimizer._accum_extra_weight
+        if v is optimizer._accum_seen or v is optimizer._accum_total_weight
     }
     old = [store[str(i)] for i in range(len(store)) if i not in absent]
     optimizer.load_own_variables({str(i): v for i, v in enumerate(old)})

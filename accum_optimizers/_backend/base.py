@@ -98,8 +98,11 @@ class Accumulation:
         ]
 
     def _accum_scale(self, grad, weight, dtype):
-        """`weight * grad`, in `dtype` (the sum's)."""
-        return ops.multiply(ops.cast(grad, dtype), ops.cast(weight, dtype))
+        """`weight * grad`, in `dtype` (the sum's), multiplied in float32 at
+        least: a token count is not a bfloat16 number."""
+        wide = "float64" if dtype == "float64" else "float32"
+        product = ops.multiply(ops.cast(grad, wide), ops.cast(weight, wide))
+        return ops.cast(product, dtype)
 
     def _accum_reduce_window(self, sums, total_weight):
         """The window's sums added over replicas, and its total weight
@@ -114,8 +117,8 @@ class Accumulation:
         return [ops.divide(t, ops.cast(count, t.dtype)) for t in totals]
 
     def _accum_end_window(self):
-        """Starts a new window: the counter and the extra weight are
+        """Starts a new window: the counter and the total weight are
         zeroed; the sums are left for the next window's first micro-step to
         overwrite."""
-        for counter in (self._accum_micro_steps, self._accum_extra_weight):
+        for counter in (self._accum_micro_steps, self._accum_total_weight):
             counter.assign(ops.zeros(counter.shape, counter.dtype))

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from keras import StatelessScope
 
 from accum_optimizers._backend.base import Accumulation
+from accum_optimizers._validation import MIN_WEIGHT
 
 
 class JaxAccumulation(Accumulation):
@@ -24,7 +25,7 @@ class JaxAccumulation(Accumulation):
         # every micro-step even when it never fires: an invalid weight makes
         # the window's gradients NaN instead, which `flush` discards and
         # `TerminateOnNaN` stops on.
-        valid = jnp.logical_and(jnp.isfinite(weight), weight > 0)
+        valid = jnp.logical_and(jnp.isfinite(weight), weight >= MIN_WEIGHT)
         return jnp.where(valid, weight, jnp.nan), contextlib.nullcontext()
 
     def _accum_run_if(self, pred, fn):

@@ -29,6 +29,7 @@ import tensorflow as tf
 
 from accum_optimizers import _keras_private
 from accum_optimizers._backend.base import Accumulation
+from accum_optimizers._validation import MIN_WEIGHT
 
 
 class TFAccumulation(Accumulation):
@@ -55,7 +56,11 @@ class TFAccumulation(Accumulation):
 
         # Only a schedule with `k = 1` closes a window on its first
         # micro-step, where the sums still hold the previous window's.
-        first = new_window if self._accum_may_close_on_first else None
+        schedule = self._accum_schedule
+        may_close_on_first = schedule is not None and (
+            schedule.min_accum_iters == 1
+        )
+        first = new_window if may_close_on_first else None
 
         def window():
             weighed = self._accum_weighed(sums, grads, weight)
@@ -131,9 +136,11 @@ class TFAccumulation(Accumulation):
 
     def _accum_check_traced_weight(self, weight):
         if self._accum_zero_weight_allowed():
-            valid = tf.math.is_finite(weight) & (weight >= 0)
+            valid = tf.math.is_finite(weight) & (
+                (weight == 0) | (weight >= MIN_WEIGHT)
+            )
         else:
-            valid = tf.math.is_finite(weight) & (weight > 0)
+            valid = tf.math.is_finite(weight) & (weight >= MIN_WEIGHT)
         if _keras_private.in_xla_context():
             # XLA drops assertions: an invalid weight makes the window's
             # gradients NaN instead, which `flush` discards and
@@ -148,7 +155,7 @@ class TFAccumulation(Accumulation):
 
     def _accum_scale(self, grad, weight, dtype):
         if isinstance(grad, tf.IndexedSlices):
-            values = tf.cast(grad.values, dtype) * tf.cast(weight, dtype)
+            values = super()._accum_scale(grad.values, weight, dtype)
             return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
         return super()._accum_scale(grad, weight, dtype)
 

@@ -35,6 +35,6 @@ class TorchAccumulation(Accumulation):
     def _accum_end_window(self):
         variables = self._accum_sums + [
             self._accum_micro_steps,
-            self._accum_extra_weight,
+            self._accum_total_weight,
         ]
         torch._foreach_zero_([variable.value for variable in variables])
