@@ -70,7 +70,10 @@ def rows(results):
             for key, r in records.items()
         }
         checks = {
-            key: r["extra_weight_after_one"] for key, r in records.items()
+            key: r.get(
+                "total_weight_after_one", r.get("extra_weight_after_one")
+            )
+            for key, r in records.items()
         }
         table.append(
             {"mode": mode, "ms": ms, "ratios": ratios, "checks": checks}
@@ -98,14 +101,14 @@ def markdown(results):
         "confidence interval and the interquartile range of the rounds. "
         "`fit`: Keras' `train_step` as `model.fit` compiles it, weighted by "
         "`weigh_micro_batches`; `loop`: a custom step calling "
-        "`optimizer.apply`, weighted with `weight=32`. `extra`: the "
-        "optimizer's extra weight after a window's first micro-batch (31: "
+        "`optimizer.apply`, weighted with `weight=32`. `weight`: the "
+        "optimizer's total weight after a window's first micro-batch (32: "
         "the weighted path ran).",
         "",
         "| mode | fit: parent | fit: ours | fit: weighted | loop: ours "
         "| loop: weighted | "
         + " | ".join(name for name, *_ in RATIOS)
-        + " | extra (fit, loop) |",
+        + " | weight (fit, loop) |",
         "|" + "---|" * (7 + len(RATIOS)),
     ]
     for row in rows(results):

@@ -19,9 +19,9 @@ weights:
 Each configuration is warmed up (`fit`, compilation, both branches of the
 window), then `--rounds` interleaved rounds time one window of every
 configuration, on the same micro-batch. Prints one JSON record per
-configuration: ms per micro-step in each round, and the optimizer's extra
+configuration: ms per micro-step in each round, and the optimizer's total
 weight after the first micro-batch of a window, which shows that the
-weighted path ran (31 with a weight of 32, 0 without).
+weighted path ran (32 with a weight of 32, 1 without).
 """
 
 import argparse
@@ -49,16 +49,17 @@ CONFIGS = [
 ]
 
 
-def extra_weight(optimizer):
-    if not hasattr(optimizer, "_accum_extra_weight"):
+def total_weight(optimizer):
+    if not hasattr(optimizer, "_accum_total_weight"):
         return None
-    return float(ops.convert_to_numpy(optimizer._accum_extra_weight.value))
+    return float(ops.convert_to_numpy(optimizer._accum_total_weight.value))
 
 
 def fit_step(config, x, y, batch, mode):
-    """Returns `(step, extra)`: `step()` runs one micro-step of Keras'
-    `train_step` as `fit` compiles it; `extra` is the optimizer's extra
-    weight after one micro-batch of `model.train_on_batch`."""
+    """Returns `(step, weight_after_one)`: `step()` runs one micro-step of
+    Keras' `train_step` as `fit` compiles it; `weight_after_one` is the
+    optimizer's total weight after one micro-batch of
+    `model.train_on_batch`."""
     model = workloads.build("mlp")
     optimizer = (
         keras.optimizers.Adam()
@@ -71,20 +72,20 @@ def fit_step(config, x, y, batch, mode):
     if config == "weighted":
         weigh_micro_batches(model)
     model.fit(x, y, batch_size=batch, verbose=0)  # builds every variable
-    extra = None
+    weight_after_one = None
     for position in range(K):
         model.train_on_batch(x[:batch], y[:batch])
         if position == 0:
-            extra = extra_weight(model.optimizer)
+            weight_after_one = total_weight(model.optimizer)
     step, _ = window_steps.step_runner(model, (x[:batch], y[:batch]), xla)
     for _ in range(K):  # compiles it
         step()
-    return step, extra
+    return step, weight_after_one
 
 
 def loop_step(config, x, y, batch, mode):
-    """Returns `(step, extra)` as `fit_step`, for a custom training step
-    calling `optimizer.apply` (with `weight=batch` if `config` is
+    """Returns `(step, weight_after_one)` as `fit_step`, for a custom
+    training step calling `optimizer.apply` (with `weight=batch` if `config` is
     `"weighted"`)."""
     model = workloads.build("mlp")
     optimizer = AdamAccumulate(accum_iters=K)
@@ -94,17 +95,17 @@ def loop_step(config, x, y, batch, mode):
     backend = keras.backend.backend()
     if backend == "torch":
         step = _torch_step(model, optimizer, x, y, batch if weighted else None)
-        read = lambda: extra_weight(optimizer)  # noqa: E731
+        read = lambda: total_weight(optimizer)  # noqa: E731
     elif backend == "jax":
         step, read = _jax_step(model, optimizer, x, y, batch, weighted)
     else:
         step = _tensorflow_step(model, optimizer, x, y, batch, weighted, mode)
-        read = lambda: extra_weight(optimizer)  # noqa: E731
+        read = lambda: total_weight(optimizer)  # noqa: E731
     step()
-    extra = read()
+    weight_after_one = read()
     for _ in range(K - 1):
         step()
-    return step, extra
+    return step, weight_after_one
 
 
 def _tensorflow_step(model, optimizer, x, y, batch, weighted, mode):
@@ -153,7 +154,7 @@ def _jax_step(model, optimizer, x, y, batch, weighted):
     ]
     weight = jax.numpy.asarray(float(batch))
     index = [id(v) for v in optimizer.variables].index(
-        id(optimizer._accum_extra_weight)
+        id(optimizer._accum_total_weight)
     )
 
     def run():
@@ -196,10 +197,10 @@ def main(argv=None):
     batch, fit_steps, smoke_steps = workloads.WORKLOADS["mlp"]
     fit_steps = smoke_steps if args.smoke else fit_steps
     x, y = workloads.data("mlp", fit_steps * batch)
-    steps, extras = {}, {}
+    steps, weights_after_one = {}, {}
     for group, config in CONFIGS:
         make = fit_step if group == "fit" else loop_step
-        steps[group, config], extras[group, config] = make(
+        steps[group, config], weights_after_one[group, config] = make(
             config, x, y, batch, args.mode
         )
     # A round times one window of every configuration, back to back, in an
@@ -218,7 +219,7 @@ def main(argv=None):
             "group": group,
             "config": config,
             "ms_per_step": [s / K * 1e3 for s in seconds[group, config]],
-            "extra_weight_after_one": extras[group, config],
+            "total_weight_after_one": weights_after_one[group, config],
         }
         print(json.dumps(record), flush=True)
 
