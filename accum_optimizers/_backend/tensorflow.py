@@ -1,8 +1,10 @@
 """TensorFlow: how a micro-step is arranged depends on how the graph runs.
 
-- A plain graph (`tf.function` without XLA, no `merge_call` strategy): one
-  `tf.cond(update_switch, window, add)`. The window's last micro-step
-  applies `(sums + grads) / count` without writing the sums, so each
+`arrangement()` names the four ways, chosen once per micro-step:
+
+- Eagerly, or in a plain graph (`tf.function` without XLA, no `merge_call`
+  strategy): one `tf.cond(update_switch, window, add)`. The window's last
+  micro-step applies `(sums + grads) / count` without writing the sums, so each
   variable's update waits only for its own gradient and overlaps the rest
   of the backward pass, as the parent optimizer's does.
 - Under XLA: add on every micro-step, then a gate that is a `tf.while_loop`
@@ -31,6 +33,19 @@ from accum_optimizers import _keras_private
 from accum_optimizers._backend.base import Accumulation
 from accum_optimizers._validation import MIN_WEIGHT
 
+EAGER, GRAPH, XLA, MERGE_CALL = "eager", "graph", "xla", "merge_call"
+
+
+def arrangement():
+    """How the micro-step being built runs: `EAGER`, `GRAPH` (a
+    `tf.function` without XLA), `XLA`, or `MERGE_CALL` (under a strategy
+    whose update calls `merge_call`, eagerly or in a graph)."""
+    if _keras_private.strategy_needs_merge_call():
+        return MERGE_CALL
+    if tf.executing_eagerly():
+        return EAGER
+    return XLA if _keras_private.in_xla_context() else GRAPH
+
 
 class TFAccumulation(Accumulation):
     def _accum_colocate(self, reference):
@@ -46,14 +61,38 @@ class TFAccumulation(Accumulation):
     def _accum_micro_step(
         self, sums, grads, new_window, update_switch, apply_window, weight=None
     ):
-        if (
-            _keras_private.in_xla_context()
-            or _keras_private.strategy_needs_merge_call()
-        ):
-            return super()._accum_micro_step(
+        how = arrangement()
+        if how == XLA:
+            # XLA densifies `IndexedSlices`; the select fuses into the add.
+            self._accum_add(sums, grads, new_window, weight)
+            _run_at_most_once(
+                update_switch, lambda: apply_window([s.value for s in sums])
+            )
+        elif how == MERGE_CALL:
+            # tf.distribute cannot scatter into a replica-local variable:
+            # an embedding's `IndexedSlices` is added densely.
+            grads = [
+                tf.convert_to_tensor(g)
+                if isinstance(g, tf.IndexedSlices)
+                else g
+                for g in grads
+            ]
+            self._accum_add(sums, grads, new_window, weight)
+            _run_in_each_replica_if(
+                update_switch, lambda: apply_window([s.value for s in sums])
+            )
+        else:
+            self._accum_branch(
                 sums, grads, new_window, update_switch, apply_window, weight
             )
 
+    def _accum_branch(
+        self, sums, grads, new_window, update_switch, apply_window, weight
+    ):
+        """Eagerly or in a plain graph: the window's last micro-step applies
+        `sums + grads` without writing the sums; the others add, scattering
+        `IndexedSlices` (embedding gradients) instead of densifying them."""
+        grads = self._accum_weighed(sums, grads, weight)
         # Only a schedule with `k = 1` closes a window on its first
         # micro-step, where the sums still hold the previous window's.
         schedule = self._accum_schedule
@@ -63,33 +102,10 @@ class TFAccumulation(Accumulation):
         first = new_window if may_close_on_first else None
 
         def window():
-            weighed = self._accum_weighed(sums, grads, weight)
             apply_window(
-                [_plus(s.value, grad, first) for s, grad in zip(sums, weighed)]
+                [_plus(s.value, grad, first) for s, grad in zip(sums, grads)]
             )
             return tf.constant(True)
-
-        def add():
-            self._accum_add(sums, grads, new_window, weight)
-            return tf.constant(False)
-
-        _branch(update_switch, window, add)
-
-    def _accum_add(self, sums, grads, new_window, weight=None):
-        if _keras_private.in_xla_context():
-            # XLA densifies `IndexedSlices`; the select fuses into the add.
-            return super()._accum_add(sums, grads, new_window, weight)
-        if _keras_private.strategy_needs_merge_call():
-            # tf.distribute cannot scatter into a replica-local variable:
-            # an embedding's `IndexedSlices` is added densely.
-            grads = [
-                tf.convert_to_tensor(g)
-                if isinstance(g, tf.IndexedSlices)
-                else g
-                for g in grads
-            ]
-            return super()._accum_add(sums, grads, new_window, weight)
-        grads = self._accum_weighed(sums, grads, weight)
 
         def overwrite():
             for total, grad in zip(sums, grads):
@@ -104,35 +120,16 @@ class TFAccumulation(Accumulation):
             return tf.constant(True)
 
         def add():
-            # `assign_add` scatters `IndexedSlices` (embedding gradients)
-            # instead of densifying them.
             for total, grad in zip(sums, grads):
                 if grad is not None:
                     self.assign_add(total, grad)
             return tf.constant(False)
 
-        _branch(new_window, overwrite, add)
+        def accumulate():
+            _branch(new_window, overwrite, add)
+            return tf.constant(False)
 
-    def _accum_run_if(self, pred, fn):
-        if tf.executing_eagerly():
-            return super()._accum_run_if(pred, fn)
-        if not _keras_private.strategy_needs_merge_call():
-            _run_at_most_once(pred, fn)
-            return
-
-        def in_cross_replica_context(distribution, pred):
-            # Every replica counted the same micro-steps: take the first's.
-            first_pred = distribution.experimental_local_results(pred)[0]
-
-            def run():
-                distribution.extended.call_for_each_replica(fn)
-                return tf.constant(True)
-
-            tf.cond(first_pred, run, lambda: tf.constant(False))
-
-        tf.distribute.get_replica_context().merge_call(
-            in_cross_replica_context, args=(pred,)
-        )
+        _branch(update_switch, window, accumulate)
 
     def _accum_check_traced_weight(self, weight):
         if self._accum_zero_weight_allowed():
@@ -142,9 +139,9 @@ class TFAccumulation(Accumulation):
         else:
             valid = tf.math.is_finite(weight) & (weight >= MIN_WEIGHT)
         if _keras_private.in_xla_context():
-            # XLA drops assertions: an invalid weight makes the window's
-            # gradients NaN instead, which `flush` discards and
-            # `TerminateOnNaN` stops on.
+            # XLA drops assertions (under a strategy too): an invalid
+            # weight makes the window's gradients NaN instead, which
+            # `flush` discards and `TerminateOnNaN` stops on.
             weight = tf.where(valid, weight, float("nan"))
             return weight, contextlib.nullcontext()
         check = tf.debugging.Assert(
@@ -231,7 +228,35 @@ def _branch(pred, true_fn, false_fn):
         false_fn()
 
 
+def _run_in_each_replica_if(pred, fn):
+    """Runs `fn` in each replica when `pred` is true, from cross-replica
+    context: Keras' update calls `merge_call`, which cannot run inside a
+    control-flow branch built in replica context (keras-team/keras#20582);
+    as Keras' `LossScaleOptimizer` does."""
+    if tf.executing_eagerly():
+        if bool(pred):
+            fn()
+        return
+
+    def in_cross_replica_context(distribution, pred):
+        # Every replica counted the same micro-steps: take the first's.
+        first_pred = distribution.experimental_local_results(pred)[0]
+
+        def run():
+            distribution.extended.call_for_each_replica(fn)
+            return tf.constant(True)
+
+        tf.cond(first_pred, run, lambda: tf.constant(False))
+
+    tf.distribute.get_replica_context().merge_call(
+        in_cross_replica_context, args=(pred,)
+    )
+
+
 def _run_at_most_once(pred, fn):
+    """`if pred: fn()` as a loop of zero trips or one: under XLA a `tf.cond`
+    whose branch writes variables copies every one of them on every call."""
+
     def body(trips):
         fn()
         return trips + 1
