@@ -25,8 +25,14 @@ CLASSES = {
         {"learning_rate": 0.1, "momentum": 0.9},
     ),
 }
-# `None` counts 1; the others are micro-batch sizes or token counts.
-weights = st.one_of(st.none(), st.sampled_from([0.5, 1.0, 3.0, 7.0]))
+# `None` counts 1; the others are micro-batch sizes, token counts, or sums
+# of sample weights scaled far from 1 (the big batch does not depend on the
+# scale).
+weights = st.one_of(
+    st.none(), st.sampled_from([1e-8, 1e-6, 0.5, 1.0, 3.0, 7.0, 7e4, 1e30])
+)
+# Weights no count is, or float32 cannot hold.
+bad_weights = st.sampled_from([-1.0, 0.0, 1e-50, 1e-40, 1e39, float("nan")])
 grad_values = st.integers(0, 2**32 - 1).map(
     lambda seed: [
         np.random.default_rng(seed).normal(size=s).astype("float32")
@@ -123,8 +129,12 @@ class AccumulationMachine(RuleBasedStateMachine):
             weight,
         )
 
-    @rule(grads=grad_values, position=st.integers(0, len(SHAPES) - 1))
-    def apply_that_raises(self, grads, position):
+    @rule(
+        grads=grad_values,
+        position=st.integers(0, len(SHAPES) - 1),
+        bad_weight_value=bad_weights,
+    )
+    def apply_that_raises(self, grads, position, bad_weight_value):
         # A wrong-shaped gradient, or a weight that is no count.
         bad_weight = position == 0
         if not bad_weight:
@@ -134,7 +144,7 @@ class AccumulationMachine(RuleBasedStateMachine):
             self.optimizer.apply(
                 [keras.ops.convert_to_tensor(g) for g in grads],
                 self.variables,
-                weight=-1.0 if bad_weight else None,
+                weight=bad_weight_value if bad_weight else None,
             )
         except ValueError as error:
             assert ("weight" if bad_weight else "shape") in str(error)
