@@ -3,8 +3,8 @@ accumulating optimizers, and `LossScaleOptimizer` around one: each equals
 its non-accumulating counterpart on the big batch in `model.fit`."""
 
 import keras
-import numpy as np
 import pytest
+from helpers import assert_all_close
 from helpers import regression_data
 from helpers import small_model
 from keras import ops
@@ -55,8 +55,13 @@ def _fit(optimizer, batch_size, x, y, model=None, epochs=1):
 
 
 def _assert_same_weights(ours, parent):
-    for actual, expected in zip(ours.get_weights(), parent.get_weights()):
-        np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-6)
+    assert_all_close(
+        ours.get_weights(),
+        parent.get_weights(),
+        rtol=1e-4,
+        atol=1e-6,
+        what="weight",
+    )
 
 
 def test_the_factory_names_and_caches_the_class():
@@ -103,10 +108,13 @@ def test_a_users_optimizer_saved_mid_window_resumes_with_custom_objects(
     assert type(restored.optimizer) is DampedMomentumAccumulate
     assert int(restored.optimizer.micro_steps) == 1
     restored.fit(x[5 * B :], y[5 * B :], batch_size=B, shuffle=False, verbose=0)
-    for actual, expected in zip(
-        restored.get_weights(), uninterrupted.get_weights()
-    ):
-        np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-7)
+    assert_all_close(
+        restored.get_weights(),
+        uninterrupted.get_weights(),
+        rtol=1e-6,
+        atol=1e-7,
+        what="weight",
+    )
 
 
 def _multi(sgd, adam):

@@ -6,6 +6,7 @@ import json
 import keras
 import numpy as np
 import pytest
+from helpers import assert_all_close
 from helpers import regression_data
 from helpers import small_model
 
@@ -44,8 +45,13 @@ def _ours(accum_iters, seed=11, **compile_options):
 
 
 def _assert_same_weights(ours, parent):
-    for actual, expected in zip(ours.get_weights(), parent.get_weights()):
-        np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-6)
+    assert_all_close(
+        ours.get_weights(),
+        parent.get_weights(),
+        rtol=1e-4,
+        atol=1e-6,
+        what="weight",
+    )
 
 
 MODES = {
@@ -94,10 +100,13 @@ def test_a_model_saved_mid_ramp_and_mid_window_resumes_exactly(tmp_path):
     assert restored.optimizer.accum_iters == RAMP
     assert int(restored.optimizer.micro_steps) == 1
     restored.fit(x[first:], y[first:], batch_size=B, shuffle=False, verbose=0)
-    for actual, expected in zip(
-        restored.get_weights(), uninterrupted.get_weights()
-    ):
-        np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-7)
+    assert_all_close(
+        restored.get_weights(),
+        uninterrupted.get_weights(),
+        rtol=1e-6,
+        atol=1e-7,
+        what="weight",
+    )
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ import keras
 import numpy as np
 import pytest
 from helpers import PARENTS
+from helpers import assert_all_close
 from helpers import regression_data
 from helpers import small_model
 from loops import gradients
@@ -19,8 +20,13 @@ K, B = 4, 2
 
 
 def _assert_weights_close(model, reference):
-    for actual, expected in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-6)
+    assert_all_close(
+        model.get_weights(),
+        reference.get_weights(),
+        rtol=1e-4,
+        atol=1e-6,
+        what="weight",
+    )
 
 
 @pytest.mark.parametrize("cls", list(PARENTS))
