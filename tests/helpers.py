@@ -250,6 +250,19 @@ def parent_on_window_means(
             parent.apply(means, [variables[i] for i in indices])
 
 
+def assert_same_weights(model, reference, *, rtol=1e-4, atol=1e-6):
+    """Two models' weights agree: by default to the float32 round-off
+    between a window and its big batch (see `assert_same_state`); a resumed
+    run against an uninterrupted one passes tighter tolerances."""
+    assert_all_close(
+        model.get_weights(),
+        reference.get_weights(),
+        rtol=rtol,
+        atol=atol,
+        what="weight",
+    )
+
+
 def assert_same_state(ours, parent_model, our_model, parent_optimizer):
     """Weights and every parent optimizer variable agree to f32 round-off.
 
@@ -264,13 +277,7 @@ def assert_same_state(ours, parent_model, our_model, parent_optimizer):
     step or clip) moves weights and moments by at least lr * |g| >~ 1e-4
     absolute and by far more than 1e-4 relative.
     """
-    assert_all_close(
-        our_model.get_weights(),
-        parent_model.get_weights(),
-        rtol=1e-4,
-        atol=1e-6,
-        what="weight",
-    )
+    assert_same_weights(our_model, parent_model)
     parent_state = parent_optimizer.variables
     assert_all_close(
         ours.variables[: len(parent_state)],

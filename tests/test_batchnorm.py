@@ -15,6 +15,7 @@ import keras
 import numpy as np
 import pytest
 from helpers import assert_all_close
+from helpers import assert_same_weights
 from helpers import to_numpy
 from hypothesis import given
 from hypothesis import strategies as st
@@ -308,13 +309,7 @@ def test_keras_file_saved_mid_window_resumes_exactly(tmp_path):
         atol=1e-6,
         what="statistic",
     )
-    assert_all_close(
-        restored.get_weights(),
-        uninterrupted.get_weights(),
-        rtol=1e-6,
-        atol=1e-6,
-        what="weight",
-    )
+    assert_same_weights(restored, uninterrupted, rtol=1e-6, atol=1e-6)
 
 
 def test_weights_file_holds_the_pending_window(tmp_path):

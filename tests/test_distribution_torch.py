@@ -41,7 +41,7 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
-from helpers import assert_all_close
+from helpers import assert_same_weights
 
 pytestmark = pytest.mark.backends("torch")
 
@@ -106,13 +106,7 @@ def test_data_parallel_with_explicit_devices_is_ignored():
     parent = small_model(0)
     parent.compile(optimizer=PARENTS[AdamAccumulate](0.01), loss="mse")
     parent.fit(x, y, batch_size=k * micro_batch, shuffle=False, verbose=0)
-    assert_all_close(
-        model.get_weights(),
-        parent.get_weights(),
-        rtol=1e-5,
-        atol=1e-6,
-        what="weight",
-    )
+    assert_same_weights(model, parent, rtol=1e-5, atol=1e-6)
 
 
 # -- DistributedDataParallel over 2 processes --------------------------------

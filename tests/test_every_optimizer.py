@@ -7,6 +7,7 @@ import keras
 import numpy as np
 import pytest
 from helpers import assert_all_close
+from helpers import assert_same_weights
 from helpers import parent_on_window_means
 from hypothesis import given
 from hypothesis import settings
@@ -212,13 +213,7 @@ def test_every_class_saves_and_resumes_mid_window(name, tmp_path):
     assert type(restored.optimizer) is cls
     assert int(restored.optimizer.micro_steps) == 1
     _run(restored, calls[4:])
-    assert_all_close(
-        restored.get_weights(),
-        uninterrupted.get_weights(),
-        rtol=1e-6,
-        atol=1e-7,
-        what="weight",
-    )
+    assert_same_weights(restored, uninterrupted, rtol=1e-6, atol=1e-7)
 
 
 def _model(optimizer):

@@ -4,6 +4,7 @@ import keras
 import pytest
 from helpers import PARENTS
 from helpers import assert_all_close
+from helpers import assert_same_weights
 from helpers import regression_data
 from helpers import small_model
 
@@ -27,13 +28,7 @@ def _compiled(cls, accum_iters=4):
 
 
 def _assert_resumed_like_uninterrupted(restored, uninterrupted):
-    assert_all_close(
-        restored.get_weights(),
-        uninterrupted.get_weights(),
-        rtol=1e-6,
-        atol=1e-7,
-        what="weight",
-    )
+    assert_same_weights(restored, uninterrupted, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("custom_objects", [False, True])

@@ -14,6 +14,7 @@ import keras
 import numpy as np
 import pytest
 from helpers import assert_all_close
+from helpers import assert_same_weights
 from helpers import largest_difference
 from helpers import parent_on_window_means
 from helpers import to_numpy
@@ -442,9 +443,7 @@ def test_fit_through_a_loss_scale_optimizer_equals_the_big_batch():
         verbose=0,
         callbacks=[FlushAccumulation()],
     )
-    assert_all_close(
-        ours.get_weights(), parent.get_weights(), rtol=1e-5, atol=2e-6
-    )
+    assert_same_weights(ours, parent, rtol=1e-5, atol=2e-6)
 
 
 def test_weighing_changes_nothing_for_equal_micro_batches():
@@ -493,9 +492,7 @@ def test_weigh_micro_batches_after_a_fit_retraces_the_train_step():
         verbose=0,
         callbacks=[FlushAccumulation()],
     )
-    assert_all_close(
-        ours.get_weights(), parent.get_weights(), rtol=1e-5, atol=2e-6
-    )
+    assert_same_weights(ours, parent, rtol=1e-5, atol=2e-6)
 
 
 # -- What weigh_micro_batches refuses -----------------------------------------
@@ -544,7 +541,7 @@ def test_a_model_without_accumulation_trains_as_before():
     weighed.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     weigh_micro_batches(weighed)
     weighed.fit(x, y, batch_size=B, shuffle=False, verbose=0)
-    assert_all_close(weighed.get_weights(), plain.get_weights(), rtol=0, atol=0)
+    assert_same_weights(weighed, plain, rtol=0, atol=0)
 
 
 def test_the_extra_weight_is_saved_in_keras_files(tmp_path):
@@ -585,6 +582,4 @@ def test_the_extra_weight_is_saved_in_keras_files(tmp_path):
         verbose=0,
     )
     assert int(resumed.optimizer.micro_steps) == 0
-    assert_all_close(
-        resumed.get_weights(), parent.get_weights(), rtol=1e-5, atol=2e-6
-    )
+    assert_same_weights(resumed, parent, rtol=1e-5, atol=2e-6)
