@@ -1,4 +1,7 @@
-"""Models, data and drawn optimizer configurations shared by the tests."""
+"""What the tests share: models, data, drawn optimizer configurations, the
+comparisons (`to_numpy`, `assert_all_close`, `assert_same_weights`,
+`assert_same_state`, `largest_difference`) and the window-mean oracle
+(`parent_on_window_means`). Use these rather than local copies."""
 
 import keras
 import numpy as np
