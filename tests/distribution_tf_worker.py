@@ -22,8 +22,8 @@ tf.config.set_logical_device_configuration(
 )
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 from helpers import PARENTS  # noqa: E402
+from helpers import largest_difference  # noqa: E402
 from helpers import regression_data  # noqa: E402
 from helpers import small_model  # noqa: E402
 from helpers import train_with_strategy  # noqa: E402
@@ -65,10 +65,6 @@ CONFIGS = {
 # The configuration whose parent, under the strategy, departs from the
 # one-device run (it clips each replica's share of the gradient).
 CLIPPED = "adam_schedule_clip_decay_ema"
-
-
-def max_difference(a, b):
-    return float(max(np.max(np.abs(u - v)) for u, v in zip(a, b)))
 
 
 _ORACLES = {}
@@ -135,7 +131,7 @@ def fit_cases(results, strategy, x, y):
         model = mirrored_model(strategy, name)
         model.fit(x, y, batch_size=GLOBAL_MICRO, shuffle=False, verbose=0)
         results[f"fit/{name}"] = {
-            "max_difference": max_difference(
+            "max_difference": largest_difference(
                 model.get_weights(), parent_weights(name, x, y)
             ),
             "iterations": int(model.optimizer.iterations.numpy()),
@@ -146,7 +142,7 @@ def fit_cases(results, strategy, x, y):
                 x, y, batch_size=K * GLOBAL_MICRO, shuffle=False, verbose=0
             )
             results[f"fit/{name}"]["max_difference_to_mirrored_parent"] = (
-                max_difference(model.get_weights(), parent.get_weights())
+                largest_difference(model.get_weights(), parent.get_weights())
             )
 
 
@@ -176,7 +172,7 @@ def jit_cases(results, x, y):
                 continue
             outcome[label] = "ok"
             if label == "ours":
-                outcome["max_difference"] = max_difference(
+                outcome["max_difference"] = largest_difference(
                     model.get_weights(),
                     _parent_on(x, y, K * B * len(devices)),
                 )
@@ -205,7 +201,7 @@ def custom_loop_case(results, strategy, x, y):
         GLOBAL_MICRO,
     )
     results["custom_loop/adam"] = {
-        "max_difference": max_difference(
+        "max_difference": largest_difference(
             model.get_weights(), parent_weights("adam", x, y)
         ),
         "iterations": int(optimizer.iterations.numpy()),
@@ -297,8 +293,8 @@ def resume_case(results, strategy, directory, x, y):
     expected = parent_weights("adam", x, y)
     results["resume/adam"] = {
         "micro_steps_saved": micro_steps_saved,
-        "max_difference": max_difference(restored.get_weights(), expected),
-        "max_difference_one_device": max_difference(
+        "max_difference": largest_difference(restored.get_weights(), expected),
+        "max_difference_one_device": largest_difference(
             single.get_weights(), expected
         ),
     }
@@ -323,7 +319,7 @@ def flush_case(results, strategy, x, y):
         stop = min(start + K * GLOBAL_MICRO, cut)
         oracle.train_on_batch(x[start:stop], y[start:stop])
     results["flush/sgd"] = {
-        "max_difference": max_difference(
+        "max_difference": largest_difference(
             model.get_weights(), oracle.get_weights()
         ),
         "iterations": int(model.optimizer.iterations.numpy()),
@@ -349,7 +345,7 @@ def schedule_case(results, strategy, x, y):
     parent.train_on_batch(x[:GLOBAL_MICRO], y[:GLOBAL_MICRO])
     parent.train_on_batch(x[GLOBAL_MICRO:], y[GLOBAL_MICRO:])
     results["schedule"] = {
-        "max_difference": max_difference(
+        "max_difference": largest_difference(
             model.get_weights(), parent.get_weights()
         ),
         "iterations": int(model.optimizer.iterations.numpy()),

@@ -1,4 +1,7 @@
-"""Models, data and drawn optimizer configurations shared by the tests."""
+"""What the tests share: models, data, drawn optimizer configurations, the
+comparisons (`to_numpy`, `assert_all_close`, `assert_same_weights`,
+`assert_same_state`, `largest_difference`) and the window-mean oracle
+(`parent_on_window_means`). Use these rather than local copies."""
 
 import keras
 import numpy as np
@@ -148,6 +151,121 @@ def schedules(learning_rate):
     )
 
 
+def to_numpy(values):
+    """Numpy copies of Keras variables, backend tensors or arrays.
+
+    Args:
+        values: a list (or tuple) of them, or a single one.
+
+    Returns:
+        A list of `np.ndarray` for a list, one `np.ndarray` for a single
+        value.
+    """
+    if isinstance(values, (list, tuple)):
+        return [to_numpy(v) for v in values]
+    return np.array(
+        keras.ops.convert_to_numpy(getattr(values, "value", values))
+    )
+
+
+def largest_difference(actual, expected):
+    """The largest absolute elementwise difference between two equally long
+    lists of arrays (variables, tensors, `get_weights()`)."""
+    actual, expected = to_numpy(list(actual)), to_numpy(list(expected))
+    assert len(actual) == len(expected), (len(actual), len(expected))
+    return max(float(np.max(np.abs(a - e))) for a, e in zip(actual, expected))
+
+
+def assert_all_close(actual, expected, *, rtol, atol, what="value"):
+    """Pairwise `np.testing.assert_allclose`, after checking that nothing
+    is missing on either side.
+
+    Args:
+        actual: a list of variables, tensors or arrays, or a dict of them.
+        expected: the same, as long (a dict: with the same keys).
+        rtol: relative tolerance; the caller states it (and why).
+        atol: absolute tolerance.
+        what: what the items are, for the failure message (`"weight"`,
+            `"optimizer variable"`).
+    """
+    if isinstance(expected, dict):
+        assert set(actual) == set(expected), (sorted(actual), sorted(expected))
+        labels = list(expected)
+        actual = [actual[k] for k in labels]
+        expected = [expected[k] for k in labels]
+    else:
+        actual, expected = list(actual), list(expected)
+        assert len(actual) == len(expected), (
+            f"{len(actual)} {what}s, expected {len(expected)}"
+        )
+        labels = [
+            getattr(e, "path", None) or getattr(a, "path", None) or i
+            for i, (a, e) in enumerate(zip(actual, expected))
+        ]
+    for label, a, e in zip(labels, to_numpy(actual), to_numpy(expected)):
+        np.testing.assert_allclose(
+            a, e, rtol=rtol, atol=atol, err_msg=f"{what} {label} differs"
+        )
+
+
+def parent_on_window_means(
+    parent, variables, windows, weights=None, updated="last"
+):
+    """The oracle of custom loops: `parent`, a plain Keras optimizer on its
+    own copy of the variables, applies each window's (weighted) mean
+    gradient once, as it would the big batch's gradient.
+
+    Args:
+        parent: the parent Keras optimizer (built or not).
+        variables: its variables, with the same initial values as ours.
+        windows: a list of windows; a window is a list of micro-steps, a
+            micro-step a list with one gradient (a numpy array) or `None`
+            per variable. A `None` counts as zero in the window's mean.
+        weights: for each window, the micro-steps' weights (`None` counts
+            1); `None`: every micro-step weighs 1.
+        updated: which variables a window updates. `"last"`: those with a
+            gradient in the window's last micro-step (a window closed by
+            its `accum_iters`-th call: Keras updates the variables it is
+            given); `"any"`: those with a gradient in any micro-step (a
+            window applied by `flush()`); or a list of variable indices.
+    """
+    for n, window in enumerate(windows):
+        window_weights = [1.0] * len(window) if weights is None else weights[n]
+        window_weights = [1.0 if w is None else w for w in window_weights]
+        assert len(window_weights) == len(window), (window_weights, window)
+        if updated == "last":
+            indices = [i for i, g in enumerate(window[-1]) if g is not None]
+        elif updated == "any":
+            indices = [
+                i
+                for i in range(len(variables))
+                if any(step[i] is not None for step in window)
+            ]
+        else:
+            indices = list(updated)
+        means = []
+        for i in indices:
+            zero = np.zeros(tuple(variables[i].shape), "float64")
+            grads = [zero if s[i] is None else s[i] for s in window]
+            mean = np.average(np.asarray(grads, "float64"), 0, window_weights)
+            means.append(keras.ops.convert_to_tensor(mean.astype("float32")))
+        if indices:
+            parent.apply(means, [variables[i] for i in indices])
+
+
+def assert_same_weights(model, reference, *, rtol=1e-4, atol=1e-6):
+    """Two models' weights agree: by default to the float32 round-off
+    between a window and its big batch (see `assert_same_state`); a resumed
+    run against an uninterrupted one passes tighter tolerances."""
+    assert_all_close(
+        model.get_weights(),
+        reference.get_weights(),
+        rtol=rtol,
+        atol=atol,
+        what="weight",
+    )
+
+
 def assert_same_state(ours, parent_model, our_model, parent_optimizer):
     """Weights and every parent optimizer variable agree to f32 round-off.
 
@@ -162,17 +280,12 @@ def assert_same_state(ours, parent_model, our_model, parent_optimizer):
     step or clip) moves weights and moments by at least lr * |g| >~ 1e-4
     absolute and by far more than 1e-4 relative.
     """
-    for expected, actual in zip(
-        parent_model.get_weights(), our_model.get_weights()
-    ):
-        np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-6)
+    assert_same_weights(our_model, parent_model)
     parent_state = parent_optimizer.variables
-    our_state = ours.variables[: len(parent_state)]
-    for expected, actual in zip(parent_state, our_state):
-        np.testing.assert_allclose(
-            keras.ops.convert_to_numpy(actual.value),
-            keras.ops.convert_to_numpy(expected.value),
-            rtol=1e-4,
-            atol=1e-6,
-            err_msg=f"optimizer variable {expected.path} differs",
-        )
+    assert_all_close(
+        ours.variables[: len(parent_state)],
+        parent_state,
+        rtol=1e-4,
+        atol=1e-6,
+        what="optimizer variable",
+    )

@@ -10,7 +10,6 @@ computes the gradients and applies them inside the backend's compiler
 """
 
 import keras
-import numpy as np
 from keras import ops
 
 BACKEND = keras.backend.backend()
@@ -100,10 +99,3 @@ def apply(optimizer, grads, variables):
         variable.assign(value)
     for variable, value in zip(optimizer.variables, new_state):
         variable.assign(value)
-
-
-def numpy_values(tensors):
-    """Copies of the values of Keras variables or backend tensors."""
-    return [
-        np.array(ops.convert_to_numpy(getattr(t, "value", t))) for t in tensors
-    ]

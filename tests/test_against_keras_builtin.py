@@ -9,8 +9,8 @@ docs/migrate/keras-gradient-accumulation-steps.md cites these tests.
 """
 
 import keras
-import numpy as np
 import pytest
+from helpers import largest_difference
 from helpers import regression_data
 from helpers import small_model
 
@@ -26,10 +26,6 @@ def _train(optimizer, batch_size):
     model.compile(optimizer=optimizer, loss="mse")
     model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
     return model.get_weights()
-
-
-def _largest_difference(weights, reference):
-    return max(float(np.max(np.abs(a - b))) for a, b in zip(weights, reference))
 
 
 def _schedule():
@@ -49,7 +45,7 @@ CASES = {
 def test_ours_matches_the_big_batch_run(case):
     big_batch = _train(keras.optimizers.SGD(**CASES[case]), K * B)
     ours = _train(SGDAccumulate(accum_iters=K, **CASES[case]), B)
-    assert _largest_difference(ours, big_batch) < 1e-5
+    assert largest_difference(ours, big_batch) < 1e-5
 
 
 def test_keras_builtin_matches_only_with_constant_learning_rate():
@@ -58,7 +54,7 @@ def test_keras_builtin_matches_only_with_constant_learning_rate():
     builtin = _train(
         keras.optimizers.SGD(gradient_accumulation_steps=K, **case), B
     )
-    assert _largest_difference(builtin, big_batch) < 1e-5
+    assert largest_difference(builtin, big_batch) < 1e-5
 
 
 @pytest.mark.parametrize("case", ["schedule", "ema"])
@@ -69,7 +65,7 @@ def test_keras_builtin_diverges_from_the_big_batch_run(case):
     )
     # Far beyond round-off (1e-5): the built-in feeds the schedule and EMA
     # micro-steps instead of updates.
-    assert _largest_difference(builtin, big_batch) > 1e-3
+    assert largest_difference(builtin, big_batch) > 1e-3
 
 
 def test_keras_builtin_carries_a_partial_window_ours_can_flush():
@@ -97,5 +93,5 @@ def test_keras_builtin_carries_a_partial_window_ours_can_flush():
         callbacks=[FlushAccumulation()],
     )
     assert int(ours.optimizer.iterations) == int(big.optimizer.iterations) == 6
-    assert _largest_difference(ours.get_weights(), big.get_weights()) < 1e-5
-    assert _largest_difference(builtin.get_weights(), big.get_weights()) > 1e-3
+    assert largest_difference(ours.get_weights(), big.get_weights()) < 1e-5
+    assert largest_difference(builtin.get_weights(), big.get_weights()) > 1e-3

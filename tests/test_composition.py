@@ -3,8 +3,8 @@ accumulating optimizers, and `LossScaleOptimizer` around one: each equals
 its non-accumulating counterpart on the big batch in `model.fit`."""
 
 import keras
-import numpy as np
 import pytest
+from helpers import assert_same_weights
 from helpers import regression_data
 from helpers import small_model
 from keras import ops
@@ -54,11 +54,6 @@ def _fit(optimizer, batch_size, x, y, model=None, epochs=1):
     return model
 
 
-def _assert_same_weights(ours, parent):
-    for actual, expected in zip(ours.get_weights(), parent.get_weights()):
-        np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-6)
-
-
 def test_the_factory_names_and_caches_the_class():
     assert DampedMomentumAccumulate.__name__ == "DampedMomentumAccumulate"
     assert accumulating(DampedMomentum) is DampedMomentumAccumulate
@@ -79,7 +74,7 @@ def test_a_users_optimizer_equals_itself_on_the_big_batch():
     x, y = regression_data(7, 6 * K * B)
     parent = _fit(DampedMomentum(), K * B, x, y)
     ours = _fit(DampedMomentumAccumulate(accum_iters=K), B, x, y)
-    _assert_same_weights(ours, parent)
+    assert_same_weights(ours, parent)
     assert int(ours.optimizer.iterations) == 6
 
 
@@ -103,10 +98,7 @@ def test_a_users_optimizer_saved_mid_window_resumes_with_custom_objects(
     assert type(restored.optimizer) is DampedMomentumAccumulate
     assert int(restored.optimizer.micro_steps) == 1
     restored.fit(x[5 * B :], y[5 * B :], batch_size=B, shuffle=False, verbose=0)
-    for actual, expected in zip(
-        restored.get_weights(), uninterrupted.get_weights()
-    ):
-        np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-7)
+    assert_same_weights(restored, uninterrupted, rtol=1e-6, atol=1e-7)
 
 
 def _multi(sgd, adam):
@@ -135,7 +127,7 @@ def test_multi_optimizer_of_accumulating_optimizers_equals_big_batch():
         x,
         y,
     )
-    _assert_same_weights(ours, parent)
+    assert_same_weights(ours, parent)
     for inner in ours.optimizer.optimizers:
         assert int(inner.iterations) == 5
 
@@ -151,7 +143,7 @@ def test_loss_scale_optimizer_around_an_accumulating_one_equals_big_batch():
         x,
         y,
     )
-    _assert_same_weights(ours, parent)
+    assert_same_weights(ours, parent)
     assert int(ours.optimizer.inner_optimizer.iterations) == 5
 
 

@@ -41,6 +41,7 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
+from helpers import assert_same_weights
 
 pytestmark = pytest.mark.backends("torch")
 
@@ -105,8 +106,7 @@ def test_data_parallel_with_explicit_devices_is_ignored():
     parent = small_model(0)
     parent.compile(optimizer=PARENTS[AdamAccumulate](0.01), loss="mse")
     parent.fit(x, y, batch_size=k * micro_batch, shuffle=False, verbose=0)
-    for actual, expected in zip(model.get_weights(), parent.get_weights()):
-        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+    assert_same_weights(model, parent, rtol=1e-5, atol=1e-6)
 
 
 # -- DistributedDataParallel over 2 processes --------------------------------

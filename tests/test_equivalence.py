@@ -8,14 +8,16 @@ learning-rate schedules and EMA together.
 import keras
 import numpy as np
 from helpers import PARENTS
+from helpers import assert_all_close
 from helpers import assert_same_state
 from helpers import optimizer_configs
+from helpers import parent_on_window_means
 from helpers import regression_data
 from helpers import small_model
+from helpers import to_numpy
 from hypothesis import given
 from hypothesis import strategies as st
 from loops import gradients
-from loops import numpy_values
 
 from accum_optimizers import SGDAccumulate
 
@@ -74,7 +76,7 @@ def test_custom_loop_equals_parent_and_holds_still_inside_window(
         for micro in range(k):
             start = window * k * b + micro * b
             small = slice(start, start + b)
-            before = numpy_values(
+            before = to_numpy(
                 our_model.trainable_variables
                 + ours.variables[:parent_state_size]
             )
@@ -83,7 +85,7 @@ def test_custom_loop_equals_parent_and_holds_still_inside_window(
                 our_model.trainable_variables,
             )
             if micro < k - 1:
-                after = numpy_values(
+                after = to_numpy(
                     our_model.trainable_variables
                     + ours.variables[:parent_state_size]
                 )
@@ -105,16 +107,15 @@ def test_accumulators_hold_the_running_sum_and_restart_after_update():
     optimizer = SGDAccumulate(accum_iters=3)
 
     def assert_accumulators(expected):
-        for accumulator, total in zip(optimizer._accum_sums, expected):
-            np.testing.assert_allclose(
-                keras.ops.convert_to_numpy(accumulator), total, rtol=1e-6
-            )
+        assert_all_close(
+            optimizer._accum_sums, expected, rtol=1e-6, atol=0, what="sum"
+        )
 
     expected = [np.zeros(v.shape, "float32") for v in model.trainable_variables]
     for i in range(3):
         grads = gradients(model, x[i : i + 1], y[i : i + 1])
         optimizer.apply(grads, model.trainable_variables)
-        expected = [e + g for e, g in zip(expected, numpy_values(grads))]
+        expected = [e + g for e, g in zip(expected, to_numpy(grads))]
         if i < 2:
             assert_accumulators(expected)
     assert int(optimizer.micro_steps) == 0
@@ -126,10 +127,9 @@ def test_accumulators_hold_the_running_sum_and_restart_after_update():
     grads = gradients(model, x[3:4], y[3:4])
     for each in (optimizer, restored):
         each.apply(grads, model.trainable_variables)
-        for accumulator, total in zip(each._accum_sums, numpy_values(grads)):
-            np.testing.assert_allclose(
-                keras.ops.convert_to_numpy(accumulator), total, rtol=1e-6
-            )
+        assert_all_close(
+            each._accum_sums, to_numpy(grads), rtol=1e-6, atol=0, what="sum"
+        )
 
 
 def test_a_missing_gradient_adds_zero_and_starts_no_stale_window():
@@ -147,17 +147,10 @@ def test_a_missing_gradient_adds_zero_and_starts_no_stale_window():
         ours.apply([tensor(a), None if b is None else tensor(b)], ours_vars)
 
     parent_vars = [keras.Variable(np.ones(3)), keras.Variable(np.ones(2))]
-    parent = keras.optimizers.SGD(learning_rate=0.1)
-    for window in (slice(0, 2), slice(2, 4)):
-        mean_a = np.mean(grads_a[window], axis=0)
-        zero = np.zeros(2, "float32")
-        mean_b = np.mean(
-            [zero if g is None else g for g in grads_b[window]], axis=0
-        )
-        parent.apply([tensor(mean_a), tensor(mean_b)], parent_vars)
-    for ours_var, parent_var in zip(ours_vars, parent_vars):
-        np.testing.assert_allclose(
-            keras.ops.convert_to_numpy(ours_var),
-            keras.ops.convert_to_numpy(parent_var),
-            rtol=1e-6,
-        )
+    steps = list(zip(grads_a, grads_b))
+    parent_on_window_means(
+        keras.optimizers.SGD(learning_rate=0.1),
+        parent_vars,
+        [steps[0:2], steps[2:4]],
+    )
+    assert_all_close(ours_vars, parent_vars, rtol=1e-6, atol=0)

@@ -6,6 +6,9 @@ applying each window's mean gradient once."""
 import keras
 import numpy as np
 import pytest
+from helpers import assert_all_close
+from helpers import assert_same_weights
+from helpers import parent_on_window_means
 from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -76,13 +79,6 @@ def _variables():
     ]
 
 
-def _numpy(values):
-    return [
-        np.array(keras.ops.convert_to_numpy(getattr(v, "value", v)))
-        for v in values
-    ]
-
-
 def _check_against_parent(parent_cls, options, accum_iters, windows, step):
     """Runs `windows` through `step` (ours) and the parent's `apply`."""
     ours_vars, parent_vars = step.variables, _variables()
@@ -90,16 +86,17 @@ def _check_against_parent(parent_cls, options, accum_iters, windows, step):
         for grads in window:
             step(grads)
     parent = parent_cls(**options)
-    for window in windows:
-        parent.apply(
-            [tensor(np.mean(g, axis=0)) for g in zip(*window)], parent_vars
-        )
-    for ours, expected in zip(_numpy(ours_vars), _numpy(parent_vars)):
-        np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-6)
-    parent_state = _numpy(parent.variables)
-    ours_state = _numpy(step.optimizer.variables[: len(parent_state)])
-    for ours, expected in zip(ours_state, parent_state):
-        np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-6)
+    parent_on_window_means(parent, parent_vars, windows)
+    assert_all_close(
+        ours_vars, parent_vars, rtol=1e-4, atol=1e-6, what="variable"
+    )
+    assert_all_close(
+        step.optimizer.variables[: len(parent.variables)],
+        parent.variables,
+        rtol=1e-4,
+        atol=1e-6,
+        what="optimizer variable",
+    )
     assert int(step.optimizer.iterations) == len(windows)
 
 
@@ -216,10 +213,7 @@ def test_every_class_saves_and_resumes_mid_window(name, tmp_path):
     assert type(restored.optimizer) is cls
     assert int(restored.optimizer.micro_steps) == 1
     _run(restored, calls[4:])
-    for ours, expected in zip(
-        restored.get_weights(), uninterrupted.get_weights()
-    ):
-        np.testing.assert_allclose(ours, expected, rtol=1e-6, atol=1e-7)
+    assert_same_weights(restored, uninterrupted, rtol=1e-6, atol=1e-7)
 
 
 def _model(optimizer):

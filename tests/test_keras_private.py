@@ -1,9 +1,12 @@
 """Every private Keras API listed in `_keras_private` still exists, so a
 Keras upgrade that moves one fails here, by name, not deep in a window."""
 
+import importlib
+
 import keras
 import pytest
 
+import accum_optimizers
 from accum_optimizers import _keras_private
 
 BACKEND = keras.backend.backend()
@@ -28,14 +31,38 @@ def test_tensorflow_internals_answer_outside_a_graph():
     assert _keras_private.strategy_needs_merge_call() is False
 
 
-def test_fused_class_is_what_keras_instantiates():
-    for cls in (keras.optimizers.Adam, keras.optimizers.Muon):
-        assert type(cls()) is _keras_private.fused_class(cls)
-    if BACKEND == "torch":
-        from keras.src.backend.torch.optimizers import torch_adam
+# The optimizers Keras 3.15 swaps for a fused (`torch._foreach_*`) variant
+# on torch, each in `keras/src/backend/torch/optimizers/torch_<name>.py`.
+TORCH_FUSED = (
+    "Adadelta",
+    "Adagrad",
+    "Adam",
+    "Adamax",
+    "AdamW",
+    "Lion",
+    "Nadam",
+    "RMSprop",
+    "SGD",
+)
 
-        fused = _keras_private.fused_class(keras.optimizers.Adam)
-        assert fused is torch_adam.Adam
+
+@pytest.mark.parametrize("name", TORCH_FUSED + ("Lamb", "Muon"))
+def test_fused_class_is_what_keras_instantiates(name):
+    parent = getattr(keras.optimizers, name)
+    if BACKEND == "torch" and name in TORCH_FUSED:
+        module = importlib.import_module(
+            f"keras.src.backend.torch.optimizers.torch_{name.lower()}"
+        )
+        expected = getattr(module, name)
+        assert expected is not parent
+    else:
+        expected = parent
+    assert type(parent()) is expected
+    assert _keras_private.fused_class(parent) is expected
+    # The accumulating class is itself, and builds on what Keras runs.
+    ours = getattr(accum_optimizers, f"{name}Accumulate")
+    assert type(ours()) is ours
+    assert expected in ours.__mro__ and parent in ours.__mro__
 
 
 @pytest.mark.parametrize("name", _keras_private.LOSS_MODULE_FUNCTIONS)

@@ -7,6 +7,8 @@ import loops
 import numpy as np
 import pytest
 from helpers import PARENTS
+from helpers import assert_same_weights
+from helpers import largest_difference
 from helpers import regression_data
 from helpers import small_model
 from keras import ops
@@ -45,11 +47,8 @@ def test_mixed_precision_fit_matches_the_big_batch_run(policy, cls):
     # We require the difference between the two runs to stay below 5% of
     # how far training moved the weights: a wrong update (a missed window,
     # a gradient k times too large) moves them by 100% or more.
-    moved = max(np.max(np.abs(a - b)) for a, b in zip(big.get_weights(), start))
-    difference = max(
-        np.max(np.abs(a - b))
-        for a, b in zip(ours.get_weights(), big.get_weights())
-    )
+    moved = largest_difference(big.get_weights(), start)
+    difference = largest_difference(ours.get_weights(), big.get_weights())
     assert moved > 1e-3
     assert difference < 0.05 * moved, (difference, moved)
 
@@ -71,8 +70,7 @@ def test_explicit_loss_scale_optimizer_fit_matches_the_big_batch_run(cls):
     assert int(ours.optimizer.iterations) == WINDOWS
     # float32 compute: the loss scale is a power of two, so scaling and
     # unscaling are exact and the usual float32 round-off bound holds.
-    for actual, expected in zip(ours.get_weights(), big.get_weights()):
-        np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-6)
+    assert_same_weights(ours, big)
 
 
 def test_accumulators_are_float32_for_float16_variables():

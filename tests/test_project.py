@@ -10,8 +10,8 @@ import io
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
+from helpers import largest_difference
 
 pytestmark = pytest.mark.backends("torch")
 
@@ -69,10 +69,7 @@ def test_demo_matches_the_big_batch_where_the_contrast_runs_do_not(
     reference = big.model.get_weights()
 
     def distance(run):
-        return max(
-            float(np.max(np.abs(a - b)))
-            for a, b in zip(run.model.get_weights(), reference)
-        )
+        return largest_difference(run.model.get_weights(), reference)
 
     assert distance(ours) < 1e-5
     assert distance(small) > 1e-2

@@ -11,8 +11,11 @@ import warnings
 import keras
 import numpy as np
 import pytest
+from helpers import assert_all_close
+from helpers import parent_on_window_means
 from helpers import regression_data
 from helpers import small_model
+from helpers import to_numpy
 from modes import MODES
 from modes import applier
 
@@ -21,13 +24,6 @@ from accum_optimizers import FlushAccumulation
 from accum_optimizers import SGDAccumulate
 
 tensor = keras.ops.convert_to_tensor
-
-
-def _numpy(values):
-    return [
-        np.array(keras.ops.convert_to_numpy(getattr(v, "value", v)))
-        for v in values
-    ]
 
 
 def _variables(seed=0, shapes=((3, 2), (2,), (2, 1))):
@@ -44,30 +40,6 @@ def _draw(rng, variables, missing=()):
         else rng.normal(size=tuple(v.shape)).astype("float32")
         for i, v in enumerate(variables)
     ]
-
-
-def _parent_on_window_means(parent, variables, windows):
-    """The oracle: `parent` applies each window's mean gradient, a missing
-    gradient counting as zero; a variable without gradient in the window's
-    last call is not updated (as Keras' own accumulation)."""
-    for window in windows:
-        last = window[-1]
-        means, kept = [], []
-        for i, variable in enumerate(variables):
-            if last[i] is None:
-                continue
-            grads = [
-                np.zeros(variable.shape, "float32") if g[i] is None else g[i]
-                for g in window
-            ]
-            means.append(tensor(np.mean(grads, axis=0)))
-            kept.append(variable)
-        parent.apply(means, kept)
-
-
-def _assert_close(actual, expected, rtol=1e-5, atol=1e-6):
-    for a, e in zip(_numpy(actual), _numpy(expected)):
-        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol)
 
 
 # 1. Variables left out of a call ------------------------------------------
@@ -98,8 +70,8 @@ def test_left_out_variables_count_as_none_in_every_mode(mode, subset):
 
     parent_vars = _variables()
     parent = keras.optimizers.Adam(0.1)
-    _parent_on_window_means(parent, parent_vars, windows)
-    _assert_close(ours_vars, parent_vars)
+    parent_on_window_means(parent, parent_vars, windows)
+    assert_all_close(ours_vars, parent_vars, rtol=1e-5, atol=1e-6)
     assert int(ours.iterations) == 3
 
 
@@ -123,28 +95,47 @@ def test_flush_leaves_frozen_and_gradient_less_layers_alone(cls, parent_cls):
     window = [_draw(rng, ours_vars) for _ in range(4)]
     for grads in window:  # a full window: momentum on every variable
         ours.apply([tensor(g) for g in grads], ours_vars)
-    _parent_on_window_means(parent, parent_vars, [window])
+    parent_on_window_means(parent, parent_vars, [window])
 
     pending = [_draw(rng, ours_vars, missing={2}) for _ in range(2)]
     for grads in pending:
         ours.apply([None if g is None else tensor(g) for g in grads], ours_vars)
     ours_vars[0].trainable = False  # frozen after build, mid-window
-    before = _numpy(ours_vars)
+    before = to_numpy(ours_vars)
     ours.flush()
-    after = _numpy(ours_vars)
+    after = to_numpy(ours_vars)
     np.testing.assert_array_equal(after[0], before[0])  # frozen now
     np.testing.assert_array_equal(after[2], before[2])  # no gradient
-    means = [tensor(np.mean([g[1] for g in pending], axis=0))]
-    parent.apply(means, [parent_vars[1]])
-    _assert_close(ours_vars[1:2], parent_vars[1:2])
+    parent_on_window_means(parent, parent_vars, [pending], updated=[1])
+    assert_all_close(ours_vars[1:2], parent_vars[1:2], rtol=1e-5, atol=1e-6)
     assert int(ours.micro_steps) == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_flush_updates_a_variable_whose_gradient_came_early_in_the_window(
+    mode,
+):
+    # Variables 0 and 2 receive gradient in the first micro-step only: the
+    # flushed window still holds it, and the big batch's update moves them.
+    rng = np.random.default_rng(9)
+    ours_vars, parent_vars = _variables(), _variables()
+    ours = AdamAccumulate(0.1, accum_iters=3)
+    step = applier(ours, ours_vars, mode)
+    pending = [_draw(rng, ours_vars), _draw(rng, ours_vars, missing={0, 2})]
+    for grads in pending:
+        step(grads)
+    ours.flush()
+    parent = keras.optimizers.Adam(0.1)
+    parent_on_window_means(parent, parent_vars, [pending], updated="any")
+    assert_all_close(ours_vars, parent_vars, rtol=1e-5, atol=1e-6)
+    assert int(ours.iterations) == 1
 
 
 # 3. A call that raises changes nothing; shapes are never broadcast ---------
 
 
 def _state(optimizer, variables):
-    return _numpy(variables) + _numpy(optimizer.variables)
+    return to_numpy(variables) + to_numpy(optimizer.variables)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -167,8 +158,8 @@ def test_a_wrong_shaped_gradient_raises_and_changes_nothing(mode, position):
     for grads in window[position:]:
         step(grads)
     parent_vars = _variables(shapes=((4, 1), (1,)))
-    _parent_on_window_means(keras.optimizers.SGD(1.0), parent_vars, [window])
-    _assert_close(ours_vars, parent_vars)
+    parent_on_window_means(keras.optimizers.SGD(1.0), parent_vars, [window])
+    assert_all_close(ours_vars, parent_vars, rtol=1e-5, atol=1e-6)
 
 
 def test_a_call_with_the_wrong_number_of_gradients_changes_nothing():
@@ -205,7 +196,7 @@ def test_a_model_saved_before_training_loads_and_trains(accum_iters, tmp_path):
     loaded = keras.saving.load_model(path)
     loaded.fit(x, y, batch_size=2, shuffle=False, verbose=0)
     saved.fit(x, y, batch_size=2, shuffle=False, verbose=0)
-    _assert_close(loaded.weights, saved.weights, rtol=1e-6, atol=1e-7)
+    assert_all_close(loaded.weights, saved.weights, rtol=1e-6, atol=1e-7)
     assert int(loaded.optimizer.iterations) == 8 // accum_iters
 
 
@@ -236,12 +227,14 @@ def test_weights_only_resume_into_an_unbuilt_optimizer_is_exact(
         warnings.simplefilter("error", UserWarning)  # no "Skipping" warning
         restored.load_weights(path)
     restored.fit(x[second], y[second], batch_size=b, shuffle=False, verbose=0)
-    _assert_close(restored.weights, uninterrupted.weights, 1e-6, 1e-7)
-    _assert_close(
+    assert_all_close(
+        restored.weights, uninterrupted.weights, rtol=1e-6, atol=1e-7
+    )
+    assert_all_close(
         restored.optimizer.variables,
         uninterrupted.optimizer.variables,
-        1e-6,
-        1e-7,
+        rtol=1e-6,
+        atol=1e-7,
     )
 
 
@@ -255,11 +248,11 @@ def test_deepcopy_of_a_built_optimizer_keeps_its_pending_window():
     copied = copy.deepcopy(ours)
     copied.build(ours_vars)
     assert int(copied.micro_steps) == 2
-    _assert_close(copied.variables, ours.variables, 0, 0)
+    assert_all_close(copied.variables, ours.variables, rtol=0, atol=0)
     copied.apply([tensor(g) for g in window[2]], ours_vars)
     parent_vars = _variables()
-    _parent_on_window_means(keras.optimizers.Adam(0.1), parent_vars, [window])
-    _assert_close(ours_vars, parent_vars)
+    parent_on_window_means(keras.optimizers.Adam(0.1), parent_vars, [window])
+    assert_all_close(ours_vars, parent_vars, rtol=1e-5, atol=1e-6)
 
 
 def _saved_state(accum_iters, pending, windows=1):
@@ -278,18 +271,20 @@ def test_a_pending_window_larger_than_accum_iters_is_refused():
     store, _ = _saved_state(accum_iters=4, pending=3)
     other = AdamAccumulate(0.1, accum_iters=2)
     other.build(_variables())
-    before = _numpy(other.variables)
+    before = to_numpy(other.variables)
     with pytest.raises(ValueError, match=r"3 micro-batches.*accum_iters=2"):
         other.load_own_variables(store)
-    _assert_close(other.variables, before, 0, 0)  # nothing assigned
+    assert_all_close(
+        other.variables, before, rtol=0, atol=0
+    )  # nothing assigned
 
 
 def test_a_pending_window_that_fits_continues_under_a_larger_accum_iters():
     store, calls = _saved_state(accum_iters=2, pending=1, windows=2)
     variables = _variables()
     parent = keras.optimizers.Adam(0.1)
-    _parent_on_window_means(parent, variables, [calls[:2]])
-    ours_vars = [keras.Variable(v) for v in _numpy(variables)]
+    parent_on_window_means(parent, variables, [calls[:2]])
+    ours_vars = [keras.Variable(v) for v in to_numpy(variables)]
     ours = AdamAccumulate(0.1, accum_iters=3)
     ours.build(ours_vars)
     ours.load_own_variables(store)
@@ -297,8 +292,8 @@ def test_a_pending_window_that_fits_continues_under_a_larger_accum_iters():
     extra = _draw(np.random.default_rng(8), ours_vars)
     for grads in [calls[3], extra]:
         ours.apply([tensor(g) for g in grads], ours_vars)
-    _parent_on_window_means(parent, variables, [[calls[2], calls[3], extra]])
-    _assert_close(ours_vars, variables)
+    parent_on_window_means(parent, variables, [[calls[2], calls[3], extra]])
+    assert_all_close(ours_vars, variables, rtol=1e-5, atol=1e-6)
     assert int(ours.iterations) == 2
 
 
@@ -398,12 +393,12 @@ def test_overwrite_with_gradient_variables_take_the_window_maximum(mode):
     for i, (g_scale, g_kernel) in enumerate(window):
         step([g_scale, g_kernel])
         if i < 2:
-            np.testing.assert_array_equal(_numpy([scale])[0], np.zeros(3))
+            np.testing.assert_array_equal(to_numpy(scale), np.zeros(3))
     np.testing.assert_allclose(
-        _numpy([scale])[0], np.max([w[0] for w in window], axis=0)
+        to_numpy(scale), np.max([w[0] for w in window], axis=0)
     )
     np.testing.assert_allclose(
-        _numpy([kernel])[0],
+        to_numpy(kernel),
         1 - 0.1 * np.mean([w[1] for w in window], axis=0),
         rtol=1e-6,
     )
@@ -440,8 +435,8 @@ def test_a_window_saved_by_0_1_0_without_mask_and_weight_resumes():
     assert int(optimizer.micro_steps) == 2
     optimizer.apply([tensor(g) for g in calls[2]], variables)
     parent_vars = _variables()
-    _parent_on_window_means(keras.optimizers.Adam(0.1), parent_vars, [calls])
-    _assert_close(variables, parent_vars)
+    parent_on_window_means(keras.optimizers.Adam(0.1), parent_vars, [calls])
+    assert_all_close(variables, parent_vars, rtol=1e-5, atol=1e-6)
 
 
 def test_a_schedule_state_loaded_into_a_float_learning_rate_is_refused():

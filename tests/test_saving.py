@@ -1,9 +1,10 @@
 """Saving and loading: `.keras` files, `custom_objects`, resuming mid-window."""
 
 import keras
-import numpy as np
 import pytest
 from helpers import PARENTS
+from helpers import assert_all_close
+from helpers import assert_same_weights
 from helpers import regression_data
 from helpers import small_model
 
@@ -26,15 +27,8 @@ def _compiled(cls, accum_iters=4):
     return model
 
 
-def _numpy(variables):
-    return [keras.ops.convert_to_numpy(v.value) for v in variables]
-
-
 def _assert_resumed_like_uninterrupted(restored, uninterrupted):
-    for expected, actual in zip(
-        uninterrupted.get_weights(), restored.get_weights()
-    ):
-        np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-7)
+    assert_same_weights(restored, uninterrupted, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("custom_objects", [False, True])
@@ -59,20 +53,24 @@ def test_keras_file_saved_mid_window_resumes_like_uninterrupted_run(
 
     assert type(restored.optimizer) is cls
     assert restored.optimizer.accum_iters == k
-    for saved, loaded in zip(
-        _numpy(interrupted.optimizer.variables),
-        _numpy(restored.optimizer.variables),
-    ):
-        np.testing.assert_array_equal(loaded, saved)
+    assert_all_close(
+        restored.optimizer.variables,
+        interrupted.optimizer.variables,
+        rtol=0,
+        atol=0,
+        what="optimizer variable",
+    )
 
     restored.fit(x[second], y[second], batch_size=b, shuffle=False, verbose=0)
     assert int(restored.optimizer.iterations) == 2
     _assert_resumed_like_uninterrupted(restored, uninterrupted)
-    for expected, actual in zip(
-        _numpy(uninterrupted.optimizer.variables),
-        _numpy(restored.optimizer.variables),
-    ):
-        np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-7)
+    assert_all_close(
+        restored.optimizer.variables,
+        uninterrupted.optimizer.variables,
+        rtol=1e-6,
+        atol=1e-7,
+        what="optimizer variable",
+    )
 
 
 @pytest.mark.parametrize(
@@ -96,11 +94,13 @@ def test_a_state_saved_between_windows_loads_into_another_accum_iters(
     probe.optimizer.build(probe.trainable_variables)
     parent_state = len(probe.optimizer.variables)
     assert parent_state > 2  # moments included
-    for saved_value, loaded in zip(
-        _numpy(saved.optimizer.variables[:parent_state]),
-        _numpy(other.optimizer.variables[:parent_state]),
-    ):
-        np.testing.assert_array_equal(loaded, saved_value)
+    assert_all_close(
+        other.optimizer.variables[:parent_state],
+        saved.optimizer.variables[:parent_state],
+        rtol=0,
+        atol=0,
+        what="optimizer variable",
+    )
 
 
 def test_loading_state_of_another_configuration_fails_loudly(tmp_path):

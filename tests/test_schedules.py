@@ -6,6 +6,7 @@ import json
 import keras
 import numpy as np
 import pytest
+from helpers import assert_same_weights
 from helpers import regression_data
 from helpers import small_model
 
@@ -43,11 +44,6 @@ def _ours(accum_iters, seed=11, **compile_options):
     return model
 
 
-def _assert_same_weights(ours, parent):
-    for actual, expected in zip(ours.get_weights(), parent.get_weights()):
-        np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-6)
-
-
 MODES = {
     "tensorflow": [{}, {"jit_compile": True}, {"run_eagerly": True}],
     "jax": [{}, {"run_eagerly": True}],
@@ -63,7 +59,7 @@ def test_a_dict_ramp_equals_growing_big_batches(mode):
     ours.fit(x, y, batch_size=B, shuffle=False, verbose=0)
     assert int(ours.optimizer.iterations) == len(SIZES)
     assert ours.optimizer.current_accum_iters == 3
-    _assert_same_weights(ours, parent)
+    assert_same_weights(ours, parent)
 
 
 def test_a_linear_ramp_equals_growing_big_batches():
@@ -74,7 +70,7 @@ def test_a_linear_ramp_equals_growing_big_batches():
     parent = _parent_on_growing_batches(x, y, sizes)
     ours = _ours(ramp)
     ours.fit(x, y, batch_size=B, shuffle=False, verbose=0)
-    _assert_same_weights(ours, parent)
+    assert_same_weights(ours, parent)
 
 
 def test_a_model_saved_mid_ramp_and_mid_window_resumes_exactly(tmp_path):
@@ -94,10 +90,7 @@ def test_a_model_saved_mid_ramp_and_mid_window_resumes_exactly(tmp_path):
     assert restored.optimizer.accum_iters == RAMP
     assert int(restored.optimizer.micro_steps) == 1
     restored.fit(x[first:], y[first:], batch_size=B, shuffle=False, verbose=0)
-    for actual, expected in zip(
-        restored.get_weights(), uninterrupted.get_weights()
-    ):
-        np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-7)
+    assert_same_weights(restored, uninterrupted, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize(

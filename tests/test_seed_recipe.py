@@ -1,9 +1,12 @@
-"""The old TF1 recipe's own example (shared/seeds/000): three batches of one
-row, plain gradient descent at learning rate 0.1, loss = mean(x @ W).
+"""The worked example of the TF1 accumulate-then-apply recipe (compute the
+gradients of several small batches, average them, apply the average once;
+`docs/migrate/tf1-accumulate-ops.md`): a 3x3 `W`, three batches of one row
+each, loss = mean(x @ W), plain gradient descent at learning rate 0.1.
 
 By hand: for a batch of N rows, d mean(x @ W) / dW[i, j] = mean_n(x[n, i]) / 3.
 The three rows average to [14, 15, 16], so one step on the three-row batch
-subtracts 0.1 * [14, 15, 16] / 3 from the rows of W.
+subtracts 0.1 * [14, 15, 16] / 3 from the rows of W. The tests check that
+three accumulated one-row micro-batches give exactly that one step.
 """
 
 import keras

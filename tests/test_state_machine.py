@@ -5,6 +5,9 @@ the window's (weighted) mean gradient."""
 
 import keras
 import numpy as np
+from helpers import assert_all_close
+from helpers import parent_on_window_means
+from helpers import to_numpy
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine
@@ -41,13 +44,6 @@ grad_values = st.integers(0, 2**32 - 1).map(
 )
 
 
-def _numpy(values):
-    return [
-        np.array(keras.ops.convert_to_numpy(getattr(v, "value", v)))
-        for v in values
-    ]
-
-
 class AccumulationMachine(RuleBasedStateMachine):
     @initialize(
         name=st.sampled_from(sorted(CLASSES)), accum_iters=st.integers(2, 4)
@@ -70,18 +66,13 @@ class AccumulationMachine(RuleBasedStateMachine):
     # -- The reference ---------------------------------------------------
 
     def _reference_apply(self, indices):
-        calls = self.window
-        weights = [1.0 if w is None else w for w in self.weights]
-        means = []
-        for i in indices:
-            grads = [
-                np.zeros(SHAPES[i], "float32") if c[i] is None else c[i]
-                for c in calls
-            ]
-            mean = np.average(np.asarray(grads, "float64"), 0, weights)
-            means.append(keras.ops.convert_to_tensor(mean.astype("float32")))
-        if indices:
-            self.parent.apply(means, [self.reference[i] for i in indices])
+        parent_on_window_means(
+            self.parent,
+            self.reference,
+            [self.window],
+            [self.weights],
+            updated=indices,
+        )
         self.window, self.weights = [], []
 
     def _call(self, grads, subset, weight=None):
@@ -139,7 +130,7 @@ class AccumulationMachine(RuleBasedStateMachine):
         bad_weight = position == 0
         if not bad_weight:
             grads[position] = np.ones((1,) * len(SHAPES[position]), "float32")
-        before = _numpy(self.variables) + _numpy(self.optimizer.variables)
+        before = to_numpy(self.variables) + to_numpy(self.optimizer.variables)
         try:
             self.optimizer.apply(
                 [keras.ops.convert_to_tensor(g) for g in grads],
@@ -150,7 +141,7 @@ class AccumulationMachine(RuleBasedStateMachine):
             assert ("weight" if bad_weight else "shape") in str(error)
         else:
             raise AssertionError("a bad call was accepted")
-        after = _numpy(self.variables) + _numpy(self.optimizer.variables)
+        after = to_numpy(self.variables) + to_numpy(self.optimizer.variables)
         for a, b in zip(after, before):
             np.testing.assert_array_equal(a, b)
 
@@ -203,14 +194,20 @@ class AccumulationMachine(RuleBasedStateMachine):
 
     @invariant()
     def same_weights_and_state_as_the_reference(self):
-        for ours, expected in zip(
-            _numpy(self.variables), _numpy(self.reference)
-        ):
-            np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-6)
-        parent_state = _numpy(self.parent.variables)
-        ours_state = _numpy(self.optimizer.variables[: len(parent_state)])
-        for ours, expected in zip(ours_state, parent_state):
-            np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-6)
+        assert_all_close(
+            self.variables,
+            self.reference,
+            rtol=1e-5,
+            atol=1e-6,
+            what="variable",
+        )
+        assert_all_close(
+            self.optimizer.variables[: len(self.parent.variables)],
+            self.parent.variables,
+            rtol=1e-5,
+            atol=1e-6,
+            what="optimizer variable",
+        )
         assert int(self.optimizer.micro_steps) == len(self.window)
 
 

@@ -13,6 +13,11 @@ import pickle
 import keras
 import numpy as np
 import pytest
+from helpers import assert_all_close
+from helpers import assert_same_weights
+from helpers import largest_difference
+from helpers import parent_on_window_means
+from helpers import to_numpy
 from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -26,15 +31,6 @@ from accum_optimizers import weigh_micro_batches
 
 BACKEND = keras.backend.backend()
 IN, OUT = 3, 2
-
-
-def _numpy(variables):
-    return [keras.ops.convert_to_numpy(v.value) for v in variables]
-
-
-def _assert_close(actual, expected, atol=2e-6):
-    for a, e in zip(actual, expected):
-        np.testing.assert_allclose(a, e, rtol=1e-5, atol=atol)
 
 
 # -- Custom loops: a least-squares model, gradients in numpy -----------------
@@ -90,7 +86,7 @@ def _run_windows(mode, name, sizes_per_window, seed, weigh=True):
     parent_optimizer = parent_class(**kwargs)
     for window, sizes in enumerate(sizes_per_window):
         _, batches = _linear_problem(seed + 1 + window, sizes)
-        at = _numpy(ours)
+        at = to_numpy(ours)
         for x, y in batches:
             grads = _mean_loss_gradient(at, x, y)
             step(
@@ -99,11 +95,11 @@ def _run_windows(mode, name, sizes_per_window, seed, weigh=True):
             )
         x = np.concatenate([x for x, _ in batches])
         y = np.concatenate([y for _, y in batches])
-        big = _mean_loss_gradient(_numpy(parent), x, y)
+        big = _mean_loss_gradient(to_numpy(parent), x, y)
         parent_optimizer.apply(
             [keras.ops.convert_to_tensor(g) for g in big], parent
         )
-    return _numpy(ours), _numpy(parent)
+    return to_numpy(ours), to_numpy(parent)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -120,13 +116,13 @@ def test_uneven_micro_batches_weighted_by_size_equal_the_big_batch(
     mode, name, sizes, seed
 ):
     ours, parent = _run_windows(mode, name, sizes, seed)
-    _assert_close(ours, parent)
+    assert_all_close(ours, parent, rtol=1e-5, atol=2e-6)
 
 
 def test_unweighted_uneven_micro_batches_differ_from_the_big_batch():
     # The property above is not vacuous: unweighted, uneven windows differ.
     ours, parent = _run_windows("eager", "sgd", [[1, 8, 2]], 3, weigh=False)
-    assert max(np.abs(o - p).max() for o, p in zip(ours, parent)) > 1e-3
+    assert largest_difference(ours, parent) > 1e-3
 
 
 def test_weight_none_counts_one_beside_weighted_calls():
@@ -139,11 +135,10 @@ def test_weight_none_counts_one_beside_weighted_calls():
         optimizer.apply(
             [keras.ops.convert_to_tensor(v) for v in g], ours, weight=weight
         )
-    mean = [(a + 3.0 * b + c) / 5.0 for a, b, c in zip(*grads)]
-    keras.optimizers.SGD(0.1).apply(
-        [keras.ops.convert_to_tensor(g) for g in mean], parent
+    parent_on_window_means(
+        keras.optimizers.SGD(0.1), parent, [grads], [[None, 3.0, None]]
     )
-    _assert_close(_numpy(ours), _numpy(parent))
+    assert_all_close(ours, parent, rtol=1e-5, atol=2e-6)
 
 
 def test_apply_gradients_takes_the_weight():
@@ -161,7 +156,7 @@ def test_apply_gradients_takes_the_weight():
     keras.optimizers.Adam(0.1).apply(
         [keras.ops.convert_to_tensor(g) for g in big], parent
     )
-    _assert_close(_numpy(ours), _numpy(parent))
+    assert_all_close(ours, parent, rtol=1e-5, atol=2e-6)
 
 
 def test_accum_iters_one_accepts_and_checks_a_weight():
@@ -174,7 +169,7 @@ def test_accum_iters_one_accepts_and_checks_a_weight():
     ]
     AdamAccumulate(0.1).apply(grads, ours, weight=3)
     keras.optimizers.Adam(0.1).apply(grads, parent)
-    _assert_close(_numpy(ours), _numpy(parent), atol=0)
+    assert_all_close(ours, parent, rtol=0, atol=0)
     with pytest.raises(ValueError, match="weight=-1"):
         AdamAccumulate(0.1).apply(grads, ours, weight=-1)
 
@@ -202,12 +197,10 @@ def test_a_weighted_pending_window_resumes_after_saving():
     resumed.apply(tensors(grads[2]), resumed_vars, weight=weights[2])
 
     parent = [keras.Variable(w) for w in initial]
-    mean = [
-        sum(n * g[i] for n, g in zip(weights, grads)) / sum(weights)
-        for i in range(2)
-    ]
-    keras.optimizers.Adam(0.1).apply(tensors(mean), parent)
-    _assert_close(_numpy(resumed_vars), _numpy(parent))
+    parent_on_window_means(
+        keras.optimizers.Adam(0.1), parent, [grads], [weights]
+    )
+    assert_all_close(resumed_vars, parent, rtol=1e-5, atol=2e-6)
 
 
 # -- Bad weights ------------------------------------------------------------
@@ -227,16 +220,19 @@ def test_a_bad_weight_raises_and_changes_nothing(mode, bad):
         for g in _mean_loss_gradient(initial, *batches[0])
     ]
     step(grads, 2.0)
-    before = _numpy(variables) + _numpy(optimizer.variables)
+    before = to_numpy(variables) + to_numpy(optimizer.variables)
     if mode in ("xla", "jit"):
         # Compiled XLA code cannot raise: the window closing here turns NaN.
         step(grads, bad)
-        assert all(np.isnan(v).all() for v in _numpy(variables))
+        assert all(np.isnan(v).all() for v in to_numpy(variables))
         return
     with pytest.raises(Exception, match="weight"):
         step(grads, bad)
-    _assert_close(
-        _numpy(variables) + _numpy(optimizer.variables), before, atol=0
+    assert_all_close(
+        to_numpy(variables) + to_numpy(optimizer.variables),
+        before,
+        rtol=0,
+        atol=0,
     )
 
 
@@ -350,7 +346,7 @@ def test_fit_with_a_short_last_micro_batch_equals_the_big_batch(
     ours, parent = _fit_pair(
         _dense_model, "mse", x, y, optimizer="adam", **compile_kwargs
     )
-    _assert_close(ours, parent)
+    assert_all_close(ours, parent, rtol=1e-5, atol=2e-6)
 
 
 @pytest.mark.parametrize(
@@ -362,7 +358,7 @@ def test_fit_with_sample_weights_equals_the_big_batch(reduction):
     ours, parent = _fit_pair(
         _dense_model, loss, x, y, sample_weight, optimizer="adam"
     )
-    _assert_close(ours, parent)
+    assert_all_close(ours, parent, rtol=1e-5, atol=2e-6)
 
 
 @pytest.mark.parametrize("compile_kwargs", FIT_MODES, ids=str)
@@ -372,7 +368,7 @@ def test_fit_with_masked_sequences_equals_the_big_batch(compile_kwargs):
     x, y = _sequence_data(2 * K * B + 3)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     ours, parent = _fit_pair(_sequence_model, loss, x, y, **compile_kwargs)
-    _assert_close(ours, parent)
+    assert_all_close(ours, parent, rtol=1e-5, atol=2e-6)
 
 
 @settings(max_examples=min(4, settings.default.max_examples))
@@ -398,7 +394,7 @@ def test_fit_on_drawn_data_equals_the_big_batch(
         optimizer="adam",
         epochs=1,
     )
-    _assert_close(ours, parent)
+    assert_all_close(ours, parent, rtol=1e-5, atol=2e-6)
 
 
 def test_fit_unweighted_masked_sequences_differ_from_the_big_batch():
@@ -406,7 +402,7 @@ def test_fit_unweighted_masked_sequences_differ_from_the_big_batch():
     x, y = _sequence_data(2 * K * B + 3)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     ours, parent = _fit_pair(_sequence_model, loss, x, y, weigh=False)
-    assert max(np.abs(o - p).max() for o, p in zip(ours, parent)) > 1e-4
+    assert largest_difference(ours, parent) > 1e-4
 
 
 def test_fit_through_a_loss_scale_optimizer_equals_the_big_batch():
@@ -447,14 +443,14 @@ def test_fit_through_a_loss_scale_optimizer_equals_the_big_batch():
         verbose=0,
         callbacks=[FlushAccumulation()],
     )
-    _assert_close(ours.get_weights(), parent.get_weights())
+    assert_same_weights(ours, parent, rtol=1e-5, atol=2e-6)
 
 
 def test_weighing_changes_nothing_for_equal_micro_batches():
     x, y, _ = _dense_data(2 * K * B)
     weighed, _ = _fit_pair(_dense_model, "mse", x, y, epochs=1)
     plain, _ = _fit_pair(_dense_model, "mse", x, y, epochs=1, weigh=False)
-    _assert_close(weighed, plain, atol=1e-6)
+    assert_all_close(weighed, plain, rtol=1e-5, atol=1e-6)
 
 
 def test_weigh_micro_batches_after_a_fit_retraces_the_train_step():
@@ -496,7 +492,7 @@ def test_weigh_micro_batches_after_a_fit_retraces_the_train_step():
         verbose=0,
         callbacks=[FlushAccumulation()],
     )
-    _assert_close(ours.get_weights(), parent.get_weights())
+    assert_same_weights(ours, parent, rtol=1e-5, atol=2e-6)
 
 
 # -- What weigh_micro_batches refuses -----------------------------------------
@@ -545,7 +541,7 @@ def test_a_model_without_accumulation_trains_as_before():
     weighed.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     weigh_micro_batches(weighed)
     weighed.fit(x, y, batch_size=B, shuffle=False, verbose=0)
-    _assert_close(weighed.get_weights(), plain.get_weights(), atol=0)
+    assert_same_weights(weighed, plain, rtol=0, atol=0)
 
 
 def test_the_extra_weight_is_saved_in_keras_files(tmp_path):
@@ -586,4 +582,4 @@ def test_the_extra_weight_is_saved_in_keras_files(tmp_path):
         verbose=0,
     )
     assert int(resumed.optimizer.micro_steps) == 0
-    _assert_close(resumed.get_weights(), parent.get_weights())
+    assert_same_weights(resumed, parent, rtol=1e-5, atol=2e-6)

@@ -9,9 +9,12 @@ Keras' own state layout.
 import keras
 import numpy as np
 import pytest
+from helpers import assert_all_close
+from helpers import parent_on_window_means
 from helpers import regression_data
 from helpers import sample_weights
 from helpers import small_model
+from helpers import to_numpy
 from modes import MODES
 from modes import applier
 
@@ -21,20 +24,6 @@ from accum_optimizers import weigh_micro_batches
 
 BACKEND = keras.backend.backend()
 SHAPES = ((3, 2), (2,))
-
-
-def _numpy(values):
-    return [
-        np.array(keras.ops.convert_to_numpy(getattr(v, "value", v)))
-        for v in values
-    ]
-
-
-def _assert_close(actual, expected, rtol=1e-5, atol=1e-6):
-    actual, expected = _numpy(actual), _numpy(expected)
-    assert len(actual) == len(expected)
-    for a, e in zip(actual, expected):
-        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol)
 
 
 def _variables(seed=0):
@@ -56,18 +45,8 @@ def _tensors(arrays):
     return [keras.ops.convert_to_tensor(a) for a in arrays]
 
 
-def _weighted_mean(grads, weights):
-    """sum(w_j g_j) / sum(w_j), in float64."""
-    total = sum(float(w) for w in weights)
-    return [
-        sum(float(w) * g[i].astype("float64") for g, w in zip(grads, weights))
-        / total
-        for i in range(len(SHAPES))
-    ]
-
-
 def _state(optimizer):
-    return _numpy(optimizer.variables)
+    return to_numpy(optimizer.variables)
 
 
 # -- The total weight is a sum of weights ------------------------------------
@@ -93,14 +72,12 @@ def test_tiny_and_huge_weights_give_the_big_batch_mean(mode, weights):
     for grad, weight in zip(grads, weights):
         step(_tensors(grad), weight=weight)
     parent_variables = _variables()
-    mean = _weighted_mean(grads, weights)
-    keras.optimizers.SGD(0.5).apply(
-        [keras.ops.convert_to_tensor(m.astype("float32")) for m in mean],
-        parent_variables,
+    parent_on_window_means(
+        keras.optimizers.SGD(0.5), parent_variables, [grads], [weights]
     )
-    _assert_close(ours_variables, parent_variables)
+    assert_all_close(ours_variables, parent_variables, rtol=1e-5, atol=1e-6)
     # Not vacuous: the update moved the weights by about the learning rate.
-    moved = _numpy(ours_variables)[0] - _numpy(_variables())[0]
+    moved = to_numpy(ours_variables)[0] - to_numpy(_variables())[0]
     assert np.abs(moved).max() > 0.1
 
 
@@ -113,7 +90,7 @@ def test_weights_float32_cannot_hold_are_refused_and_change_nothing(weight):
     before = _state(optimizer)
     with pytest.raises(ValueError, match=r"weight=.*"):
         optimizer.apply(_tensors(_gradients(3, 1)[0]), variables, weight=weight)
-    _assert_close(optimizer.variables, before, rtol=0, atol=0)
+    assert_all_close(optimizer.variables, before, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("scale", [1e-6, 1e-8])
@@ -133,8 +110,8 @@ def test_fit_with_tiny_sample_weights_equals_the_big_batch(scale):
     ours.fit(
         x, y, sample_weight=weights, batch_size=b, shuffle=False, verbose=0
     )
-    _assert_close(ours.weights, parent.weights, rtol=1e-5, atol=1e-6)
-    moved = _numpy(ours.weights)[0] - _numpy(small_model(0).weights)[0]
+    assert_all_close(ours.weights, parent.weights, rtol=1e-5, atol=1e-6)
+    moved = to_numpy(ours.weights)[0] - to_numpy(small_model(0).weights)[0]
     assert np.abs(moved).max() > 1e-2
 
 
@@ -153,7 +130,7 @@ def test_float16_sums_refuse_weights_and_change_nothing(weighing):
             optimizer.apply(
                 _tensors(_gradients(3, 1)[0]), variables, weight=70000.0
             )
-        _assert_close(optimizer.variables, before, rtol=0, atol=0)
+        assert_all_close(optimizer.variables, before, rtol=0, atol=0)
         return
     x, y = regression_data(0, 8)
     model = small_model(0)
@@ -182,15 +159,16 @@ def test_bfloat16_sums_weigh_a_token_count_without_overflow(mode):
     for grad, weight in zip(grads, weights):
         step(_tensors([20 * g for g in grad]), weight=weight)
     expected = _variables()
-    mean = _weighted_mean([[20 * g for g in grad] for grad in grads], weights)
-    keras.optimizers.SGD(0.5).apply(
-        [keras.ops.convert_to_tensor(m.astype("float32")) for m in mean],
+    parent_on_window_means(
+        keras.optimizers.SGD(0.5),
         expected,
+        [[[20 * g for g in grad] for grad in grads]],
+        [weights],
     )
-    result = _numpy(variables)
+    result = to_numpy(variables)
     assert all(np.isfinite(r).all() for r in result)
     # bfloat16 holds 8 significant bits: a relative error of 2**-8 per sum.
-    _assert_close(variables, expected, rtol=2e-2, atol=0.5)
+    assert_all_close(variables, expected, rtol=2e-2, atol=0.5)
 
 
 # -- Restoring ---------------------------------------------------------------
@@ -225,7 +203,7 @@ def test_a_trained_state_without_moments_is_refused(make_target, built, steps):
         before = _state(target)
         with pytest.raises(ValueError, match=f"iterations={steps}"):
             target.load_own_variables(store)
-        _assert_close(target.variables, before, rtol=0, atol=0)
+        assert_all_close(target.variables, before, rtol=0, atol=0)
     else:
         target.load_own_variables(store)  # kept until `build`
         with pytest.raises(ValueError, match=f"iterations={steps}"):
@@ -269,13 +247,8 @@ def test_a_state_between_windows_empties_a_pending_window():
         target.apply(_tensors(grad), target_variables)
         saved.apply(_tensors(grad), variables)
     parent_variables = _variables()
-    parent = keras.optimizers.Adam(0.1)
-    first, second = _gradients(6, 2), window
-    for grads in (first, second):
-        mean = _weighted_mean(grads, (1, 1))
-        parent.apply(
-            [keras.ops.convert_to_tensor(m.astype("float32")) for m in mean],
-            parent_variables,
-        )
-    _assert_close(target_variables, parent_variables)
-    _assert_close(variables, parent_variables)
+    parent_on_window_means(
+        keras.optimizers.Adam(0.1), parent_variables, [_gradients(6, 2), window]
+    )
+    assert_all_close(target_variables, parent_variables, rtol=1e-5, atol=1e-6)
+    assert_all_close(variables, parent_variables, rtol=1e-5, atol=1e-6)

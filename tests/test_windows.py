@@ -7,6 +7,7 @@ import keras
 import numpy as np
 import pytest
 from helpers import PARENTS
+from helpers import assert_same_weights
 from helpers import regression_data
 from helpers import small_model
 from loops import gradients
@@ -16,11 +17,6 @@ from accum_optimizers import FlushAccumulation
 from accum_optimizers import SGDAccumulate
 
 K, B = 4, 2
-
-
-def _assert_weights_close(model, reference):
-    for actual, expected in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("cls", list(PARENTS))
@@ -44,7 +40,7 @@ def test_flush_every_epoch_gives_windows_of_4_4_2(cls):
     )
     assert int(ours.optimizer.iterations) == 9
     assert int(ours.optimizer.micro_steps) == 0
-    _assert_weights_close(ours, big)
+    assert_same_weights(ours, big)
 
 
 def test_without_flush_the_partial_window_carries_into_the_next_epoch():
@@ -103,7 +99,7 @@ def test_flush_applies_the_mean_of_the_held_micro_batches():
     ours.flush()
     assert int(ours.iterations) == 1 and int(ours.micro_steps) == 0
     assert bool(ours.last_apply_updated)
-    _assert_weights_close(our_model, parent_model)
+    assert_same_weights(our_model, parent_model)
 
 
 def test_flush_with_nothing_pending_does_nothing():
@@ -214,7 +210,7 @@ def test_keras_learning_rate_callbacks_keep_working(callback):
         0.025,
         rtol=1e-6,
     )
-    _assert_weights_close(ours, big)
+    assert_same_weights(ours, big)
 
 
 def test_a_fit_that_ends_with_a_pending_window_says_so_once():

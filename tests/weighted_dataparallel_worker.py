@@ -23,6 +23,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from helpers import largest_difference  # noqa: E402
 from helpers import regression_data  # noqa: E402
 from helpers import sample_weights  # noqa: E402
 from helpers import sequence_data  # noqa: E402
@@ -74,10 +75,6 @@ def normalizer(name, x, sample_weight, samples):
     return len(x[samples])
 
 
-def max_difference(a, b):
-    return float(max(np.max(np.abs(u - v)) for u, v in zip(a, b)))
-
-
 def run_case(name, devices):
     make_model, make_loss, weighted = CASES[name]
     if weighted:
@@ -125,10 +122,10 @@ def run_case(name, devices):
             for i in starts
         ],
         "data_layout_axes": list(data_layout.axes),
-        "max_difference": max_difference(
+        "max_difference": largest_difference(
             model.get_weights(), oracle.get_weights()
         ),
-        "scale": max_difference(oracle.get_weights(), initial),
+        "scale": largest_difference(oracle.get_weights(), initial),
         "iterations": int(model.optimizer.iterations),
         "oracle_iterations": int(oracle.optimizer.iterations),
     }

@@ -31,6 +31,7 @@ tf.config.set_logical_device_configuration(
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from helpers import largest_difference  # noqa: E402
 from helpers import regression_data  # noqa: E402
 from helpers import sample_weights  # noqa: E402
 from helpers import sequence_data  # noqa: E402
@@ -116,10 +117,6 @@ FIT_CASES = {
 }
 
 
-def max_difference(a, b):
-    return float(max(np.max(np.abs(u - v)) for u, v in zip(a, b)))
-
-
 def split_of_global_batches(n):
     """Per global micro-batch, the sample indices each replica gets from
     `experimental_distribute_dataset`, which `fit` uses."""
@@ -170,7 +167,7 @@ def fit_case(name):
             [case.normalizer(x, sample_weight, shard) for shard in batch]
             for batch in split
         ],
-        "scale": max_difference(oracle.get_weights(), initial),
+        "scale": largest_difference(oracle.get_weights(), initial),
         "oracle_iterations": int(oracle.optimizer.iterations.numpy()),
     }
 
@@ -191,7 +188,7 @@ def fit_case(name):
             callbacks=[FlushAccumulation()],
         )
         return {
-            "max_difference": max_difference(
+            "max_difference": largest_difference(
                 model.get_weights(), oracle.get_weights()
             ),
             "iterations": int(model.optimizer.iterations.numpy()),
@@ -246,7 +243,7 @@ def custom_loop_case(kind):
             oracle.trainable_variables,
         )
         start = stop
-    result = {"scale": max_difference(oracle.get_weights(), initial)}
+    result = {"scale": largest_difference(oracle.get_weights(), initial)}
 
     def train():
         with STRATEGY.scope():
@@ -281,7 +278,7 @@ def custom_loop_case(kind):
             )
             start = int(ends[-1])
         return {
-            "max_difference": max_difference(
+            "max_difference": largest_difference(
                 model.get_weights(), oracle.get_weights()
             ),
             "iterations": int(ours.iterations.numpy()),
