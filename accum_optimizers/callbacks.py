@@ -270,8 +270,8 @@ class AccumulationLogger(keras.callbacks.Callback):
         model's, or the first of a `MultiOptimizer`'s, whose inner
         accumulating optimizers must then share one `accum_iters`."""
         optimizers = _accumulating(self.model, "AccumulationLogger")
-        sizes = [o.get_config()["accum_iters"] for o in optimizers]
-        if any(size != sizes[0] for size in sizes):
+        sizes = [o.accum_iters for o in optimizers]
+        if len({repr(size) for size in sizes}) > 1:
             raise ValueError(
                 "AccumulationLogger logs one window, but the "
                 "MultiOptimizer's accumulating optimizers have different "

@@ -73,10 +73,17 @@ def weigh_micro_batches(model):
         if not training or not optimizers:
             return compute_loss(x, y, y_pred, sample_weight, **kwargs)
         _refuse_torch_compile(model)
-        count_updates_in_multi_optimizer(model.optimizer)
+        count_updates_in_multi_optimizer(model.optimizer, sync=False)
         with _keras_private.recorded_loss_reductions() as reductions:
             loss = compute_loss(x, y, y_pred, sample_weight, **kwargs)
-        weight = _checked_normalizer(_micro_batch_weight(reductions, y_pred))
+        weight, poisoned = _checked_normalizer(
+            _micro_batch_weight(reductions, y_pred)
+        )
+        if poisoned:
+            # Where compiled code cannot raise, a refused weight is NaN:
+            # so is the loss, which `TerminateOnNaN` stops on before the
+            # window closes.
+            loss = ops.where(ops.isnan(weight), float("nan"), loss)
         # Each accumulating optimizer (several under a `MultiOptimizer`)
         # weighs its own variables' gradients by the micro-batch's weight.
         for optimizer in optimizers:
@@ -115,7 +122,7 @@ def accumulating_optimizers(optimizer):
     return [o for o in inner if isinstance(o, GradientAccumulation)]
 
 
-def count_updates_in_multi_optimizer(optimizer):
+def count_updates_in_multi_optimizer(optimizer, sync=True):
     """Makes a `MultiOptimizer` of accumulating optimizers count applied
     updates in `iterations`, as its inner optimizers do.
 
@@ -128,6 +135,8 @@ def count_updates_in_multi_optimizer(optimizer):
 
     Args:
         optimizer: a `keras.optimizers.Optimizer`.
+        sync: Boolean. Also set `iterations` now (eagerly). Defaults to
+            `True`.
     """
     if not isinstance(optimizer, keras.optimizers.MultiOptimizer):
         return
@@ -135,7 +144,7 @@ def count_updates_in_multi_optimizer(optimizer):
     accumulating = accumulating_optimizers(optimizer)
     if not accumulating or len(accumulating) != len(inner):
         return
-    configs = {repr(o.get_config()["accum_iters"]) for o in accumulating}
+    configs = {repr(o.accum_iters) for o in accumulating}
     if len(configs) != 1:
         return
     reference = accumulating[0]
@@ -149,7 +158,7 @@ def count_updates_in_multi_optimizer(optimizer):
 
         optimizer.apply = counting_apply
         optimizer._accum_counts_updates = True
-    if optimizer.built and reference.built:
+    if sync and optimizer.built and reference.built:
         optimizer.iterations.assign(reference.iterations)
 
 
@@ -168,15 +177,15 @@ def _refuse_torch_compile(model):
 
 
 def _checked_normalizer(weight):
-    """`weight`, refused when negative or not finite (a negative sum of
+    """`(weight, poisoned)`: `weight`, refused when negative or not finite (a negative sum of
     sample weights under `mean_with_sample_weight`: a window's total
     weight could then be `0` or negative, and its mean meaningless). `0`
     is kept: a micro-batch whose samples are all masked or weigh 0.
 
     Concrete values raise here; in a TensorFlow graph an assertion fails
     the train step before any state changes; where compiled code cannot
-    fail (JAX, XLA) the weight becomes NaN, which makes the loss and the
-    window NaN (`TerminateOnNaN` stops on it, `flush` discards it).
+    fail (JAX, XLA) the weight becomes NaN (`poisoned` is `True`), which
+    makes the window NaN (`flush` discards it).
     """
     message = (
         "weigh_micro_batches(model): a micro-batch's loss normalizer (the "
@@ -187,7 +196,7 @@ def _checked_normalizer(weight):
     if value is not None:
         if not (np.isfinite(value) and value >= 0):
             raise ValueError(f"{message} Received: normalizer={value!r}")
-        return weight
+        return weight, False
     if keras.backend.backend() == "tensorflow":
         import tensorflow as tf
 
@@ -197,12 +206,12 @@ def _checked_normalizer(weight):
                 valid, [f"{message} Received: normalizer=", weight]
             )
             with tf.control_dependencies([check]):
-                return tf.identity(weight)
+                return tf.identity(weight), False
     else:
         valid = ops.logical_and(
             ops.isfinite(weight), ops.greater_equal(weight, 0.0)
         )
-    return ops.where(valid, weight, float("nan"))
+    return ops.where(valid, weight, float("nan")), True
 
 
 def _micro_batch_weight(reductions, y_pred):
