@@ -177,9 +177,10 @@ def _refuse_torch_compile(model):
 
 
 def _checked_normalizer(weight):
-    """`(weight, poisoned)`: `weight`, refused when negative or not finite (a negative sum of
-    sample weights under `mean_with_sample_weight`: a window's total
-    weight could then be `0` or negative, and its mean meaningless). `0`
+    """`(weight, poisoned)`: `weight`, refused when negative or not
+    finite (a negative sum of sample weights under
+    `mean_with_sample_weight`: a window's total weight could then be `0`
+    or negative, and its mean meaningless). `0`
     is kept: a micro-batch whose samples are all masked or weigh 0.
 
     Concrete values raise here; in a TensorFlow graph an assertion fails
