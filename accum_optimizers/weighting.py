@@ -76,7 +76,7 @@ def weigh_micro_batches(model):
         count_updates_in_multi_optimizer(model.optimizer, sync=False)
         with _keras_private.recorded_loss_reductions() as reductions:
             loss = compute_loss(x, y, y_pred, sample_weight, **kwargs)
-        weight, poisoned = _checked_normalizer(
+        weight, checked, poisoned = _checked_normalizer(
             _micro_batch_weight(reductions, y_pred)
         )
         if poisoned:
@@ -87,7 +87,7 @@ def weigh_micro_batches(model):
         # Each accumulating optimizer (several under a `MultiOptimizer`)
         # weighs its own variables' gradients by the micro-batch's weight.
         for optimizer in optimizers:
-            optimizer._accum_hand_over(weight)
+            optimizer._accum_hand_over(weight, checked=checked)
         return loss
 
     model.compute_loss = weighed_compute_loss
@@ -177,16 +177,18 @@ def _refuse_torch_compile(model):
 
 
 def _checked_normalizer(weight):
-    """`(weight, poisoned)`: `weight`, refused when negative or not
+    """`(weight, checked, poisoned)`: `weight`, refused when negative or not
     finite (a negative sum of sample weights under
     `mean_with_sample_weight`: a window's total weight could then be `0`
-    or negative, and its mean meaningless). `0`
-    is kept: a micro-batch whose samples are all masked or weigh 0.
+    or negative, and its mean meaningless). `0` is kept: a micro-batch
+    whose samples are all masked or weigh 0.
 
     Concrete values raise here; in a TensorFlow graph an assertion fails
-    the train step before any state changes; where compiled code cannot
-    fail (JAX, XLA) the weight becomes NaN (`poisoned` is `True`), which
-    makes the window NaN (`flush` discards it).
+    the train step before any state changes (`checked` returns the context
+    the optimizer's state changes run in; else it is `None`); where
+    compiled code cannot fail (JAX, XLA) the weight becomes NaN
+    (`poisoned` is `True`), which makes the window NaN (`flush` discards
+    it).
     """
     message = (
         "weigh_micro_batches(model): a micro-batch's loss normalizer (the "
@@ -197,7 +199,7 @@ def _checked_normalizer(weight):
     if value is not None:
         if not (np.isfinite(value) and value >= 0):
             raise ValueError(f"{message} Received: normalizer={value!r}")
-        return weight, False
+        return weight, None, False
     if keras.backend.backend() == "tensorflow":
         import tensorflow as tf
 
@@ -207,12 +209,13 @@ def _checked_normalizer(weight):
                 valid, [f"{message} Received: normalizer=", weight]
             )
             with tf.control_dependencies([check]):
-                return tf.identity(weight), False
+                weight = tf.identity(weight)
+            return weight, lambda: tf.control_dependencies([check]), False
     else:
         valid = ops.logical_and(
             ops.isfinite(weight), ops.greater_equal(weight, 0.0)
         )
-    return ops.where(valid, weight, float("nan")), True
+    return ops.where(valid, weight, float("nan")), None, True
 
 
 def _micro_batch_weight(reductions, y_pred):

