@@ -9,6 +9,10 @@ initial loss scale, and so skips and scales steps the uninterrupted run did
 not. For a `LossScaleOptimizer` whose inner optimizer accumulates, the saved
 state is kept instead and restored when it builds, as the inner optimizer's
 is; any other `LossScaleOptimizer` behaves as Keras wrote it.
+
+In a custom loop, `LossScaleOptimizer.apply` and `stateless_apply` take no
+`weight`; around an accumulating optimizer they take it here and hand it to
+the inner optimizer's `apply` (which checks it), as `weight=` of its own.
 """
 
 import keras
@@ -22,11 +26,36 @@ def _accumulates(optimizer):
 
 
 def install():
-    """Patches `LossScaleOptimizer.load_own_variables` and `build` (once)."""
+    """Patches `LossScaleOptimizer`'s `load_own_variables`, `build`,
+    `apply` and `stateless_apply` (once)."""
     cls = keras.optimizers.LossScaleOptimizer
     if getattr(cls, "_accum_resumes_weights_only", False):
         return
     load_own_variables, build = cls.load_own_variables, cls.build
+    apply, stateless_apply = cls.apply, cls.stateless_apply
+
+    def weighing(method):
+        def weighed(self, *args, weight=None, **kwargs):
+            if weight is None:
+                return method(self, *args, **kwargs)
+            if not _accumulates(self):
+                raise TypeError(
+                    f"LossScaleOptimizer.{method.__name__}() takes `weight` "
+                    "only around an accumulating optimizer. Received: "
+                    f"inner_optimizer={self.inner_optimizer!r}"
+                )
+            inner = self.inner_optimizer
+            inner._accum_hand_over(weight, check=True)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                # Left over when the step was skipped (gradients not
+                # finite) or raised before the inner optimizer's `apply`.
+                inner._accum_take_handoff()
+
+        weighed.__name__ = method.__name__
+        weighed.__doc__ = method.__doc__
+        return weighed
 
     def deferring_load_own_variables(self, store):
         if self.built or not _accumulates(self):
@@ -60,6 +89,8 @@ def install():
             for variable, value in zip(own, saved):
                 variable.assign(value)
 
+    cls.apply = weighing(apply)
+    cls.stateless_apply = weighing(stateless_apply)
     cls.load_own_variables = deferring_load_own_variables
     cls.build = restoring_build
     cls._accum_resumes_weights_only = True

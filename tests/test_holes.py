@@ -494,3 +494,66 @@ def test_torch_jit_compile_with_weighting_is_refused_naming_it():
     weigh_micro_batches(model)
     with pytest.raises(ValueError, match="jit_compile=True"):
         _fit(model, x, y, 2, epochs=1)
+
+
+def test_loss_scale_optimizer_apply_takes_weight_to_the_inner_optimizer():
+    from test_weighted_windows import _linear_problem
+    from test_weighted_windows import _mean_loss_gradient
+
+    sizes = [4, 1, 3]
+    initial, batches = _linear_problem(3, sizes)
+    ours = [keras.Variable(w) for w in initial]
+    wrapper = keras.optimizers.LossScaleOptimizer(
+        SGDAccumulate(0.1, momentum=0.9, accum_iters=3), initial_scale=8.0
+    )
+    wrapper.build(ours)
+    for x, y in batches:
+        scaled = [
+            keras.ops.convert_to_tensor(g * 8.0)
+            for g in _mean_loss_gradient(initial, x, y)
+        ]
+        if BACKEND == "jax":
+            state = wrapper.variables
+            new, new_state = wrapper.stateless_apply(
+                [v.value for v in state],
+                scaled,
+                [v.value for v in ours],
+                weight=float(len(x)),
+            )
+            for variable, value in zip(ours + state, new + new_state):
+                variable.assign(value)
+        else:
+            wrapper.apply(scaled, ours, weight=float(len(x)))
+    x = np.concatenate([x for x, _ in batches])
+    y = np.concatenate([y for _, y in batches])
+    parent = [keras.Variable(w) for w in initial]
+    keras.optimizers.SGD(0.1, momentum=0.9).apply(
+        [
+            keras.ops.convert_to_tensor(g)
+            for g in _mean_loss_gradient(initial, x, y)
+        ],
+        parent,
+    )
+    _assert_close([v.numpy() for v in ours], [v.numpy() for v in parent])
+
+
+def test_loss_scale_optimizer_refuses_a_bad_weight_naming_it():
+    variables = [keras.Variable(np.ones((2,), "float32"))]
+    wrapper = keras.optimizers.LossScaleOptimizer(
+        SGDAccumulate(0.1, accum_iters=2)
+    )
+    wrapper.build(variables)
+    grads = [keras.ops.ones((2,))]
+    if BACKEND == "jax":
+        pytest.skip("JAX runs a LossScaleOptimizer stateless only")
+    with pytest.raises(ValueError, match="weight"):
+        wrapper.apply(grads, variables, weight=-1.0)
+    assert int(keras.ops.convert_to_numpy(wrapper.step_counter)) == 0
+    assert (
+        int(keras.ops.convert_to_numpy(wrapper.inner_optimizer.micro_steps))
+        == 0
+    )
+    plain = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
+    plain.build(variables)
+    with pytest.raises(TypeError, match="inner_optimizer=.*SGD"):
+        plain.apply(grads, variables, weight=2.0)
