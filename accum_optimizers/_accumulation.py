@@ -324,12 +324,14 @@ class GradientAccumulation(BackendAccumulation):
         """
         handoff = self._accum_take_handoff()
         scaled, check = False, True
+        checked = contextlib.nullcontext()
         if weight is None and handoff is not None:
             weight = handoff.weight
             scaled, check = handoff.loss_scaled, handoff.check
+            if handoff.checked is not None:
+                checked = handoff.checked()
         if weight is not None:
             self._accum_check_weighable()
-        checked = contextlib.nullcontext()
         if weight is not None and check:
             weight, checked = self._accum_checked_weight(weight)
         with checked:
@@ -448,12 +450,16 @@ class GradientAccumulation(BackendAccumulation):
 
     # -- Weights handed over by `model.fit` ----------------------------------
 
-    def _accum_hand_over(self, weight, loss_scaled=False, check=False):
+    def _accum_hand_over(
+        self, weight, loss_scaled=False, check=False, checked=None
+    ):
         """Sets the weight of this thread's next `apply` (the micro-batch
         whose loss is being computed); see `weigh_micro_batches`."""
         self._accum_check_weighable()
         handoffs = self.__dict__.setdefault("_accum_handoffs", {})
-        handoffs[threading.get_ident()] = _Handoff(weight, loss_scaled, check)
+        handoffs[threading.get_ident()] = _Handoff(
+            weight, loss_scaled, check, checked
+        )
 
     def _accum_take_handoff(self):
         handoffs = self.__dict__.get("_accum_handoffs")
@@ -729,12 +735,17 @@ class _Handoff:
             the gradients arrive weighed.
         check: whether to refuse a weight that is not finite and `> 0`
             (a user's `weight`; `fit`'s normalizers may be `0`).
+        checked: `None`, or a function returning the context in which the
+            call's state changes run: that of the caller's own check of the
+            weight (`fit`'s normalizers, checked `>= 0` in a TensorFlow
+            graph).
     """
 
-    def __init__(self, weight, loss_scaled, check):
+    def __init__(self, weight, loss_scaled, check, checked=None):
         self.weight = weight
         self.loss_scaled = loss_scaled
         self.check = check
+        self.checked = checked
 
 
 def _check_shape(grad, variable):

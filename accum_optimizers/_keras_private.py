@@ -109,7 +109,20 @@ LOSS_MODULE_FUNCTIONS = (
     "standardize_reduction",
 )
 
-TRAINER_ATTRIBUTES = ("_compute_loss_has_training_arg",)
+TRAINER_ATTRIBUTES = (
+    "_compute_loss_has_training_arg",
+    # `FlushAccumulation` (callbacks.py): every backend's `fit` calls it
+    # after an epoch's last train step, before validation.
+    "_get_metrics_result_or_logs",
+    # `sublayers` below.
+    "_flatten_layers",
+)
+
+
+def sublayers(layer):
+    """Every layer inside `layer`, as Keras tracks them: in nested models
+    and in custom layers' attributes (`Layer._flatten_layers`)."""
+    return layer._flatten_layers(include_self=False, recursive=True)
 
 
 class LossReduction:

@@ -10,28 +10,25 @@ import numpy as np
 from keras import ops
 from keras.saving import register_keras_serializable
 
+from accum_optimizers import _keras_private
 from accum_optimizers import _tensorboard
 from accum_optimizers.layers import AccumBatchNormalization
+from accum_optimizers.weighting import accumulating_optimizers
+from accum_optimizers.weighting import count_updates_in_multi_optimizer
 
 
-def _nested_layers(layer):
-    """Every layer inside `layer`, nested models included."""
-    for inner in getattr(layer, "layers", []):
-        yield inner
-        yield from _nested_layers(inner)
-
-
-def accumulating_optimizer(
-    optimizer: keras.optimizers.Optimizer,
-) -> Optional[keras.optimizers.Optimizer]:
-    """The accumulating optimizer inside `optimizer`, or `None`.
-
-    Unwraps `keras.optimizers.LossScaleOptimizer` (which `compile` adds under
-    the `mixed_float16` policy).
-    """
-    while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        optimizer = optimizer.inner_optimizer
-    return optimizer if hasattr(optimizer, "flush") else None
+def _accumulating(model, caller):
+    """The accumulating optimizers of `model` (see
+    `accumulating_optimizers`); raises, naming `caller`, if there is none."""
+    optimizers = accumulating_optimizers(model.optimizer)
+    if not optimizers:
+        raise ValueError(
+            f"{caller} needs an accumulating optimizer (an `accum_optimizers` "
+            "class or `accumulating(cls)`, possibly inside a "
+            "`LossScaleOptimizer` or `MultiOptimizer`). Received: "
+            f"optimizer={model.optimizer!r}"
+        )
+    return optimizers
 
 
 @register_keras_serializable(package="accum_optimizers")
@@ -45,7 +42,15 @@ class FlushAccumulation(keras.callbacks.Callback):
     batches with `accum_iters=4` give updates from 4, 4 and 2 batches, the
     groupings of a parent-optimizer run with `batch_size=4*b` (whose last
     batch is short). The pending windows of the model's
-    `AccumBatchNormalization` layers are flushed with it.
+    `AccumBatchNormalization` layers (nested models and custom layers
+    included) are flushed with it.
+
+    The epoch's flush runs right after its last training batch, before
+    `fit` validates the epoch and before any callback's `on_epoch_end`,
+    wherever this callback sits in the list: `val_loss`, `EarlyStopping`,
+    `ModelCheckpoint` and pruning callbacks all see the flushed weights.
+    Under a `MultiOptimizer`, every accumulating inner optimizer is
+    flushed.
 
     Args:
         every_epoch: Boolean. Flush at the end of every epoch. Defaults to
@@ -72,37 +77,89 @@ class FlushAccumulation(keras.callbacks.Callback):
         self.at_train_end = at_train_end
 
     def _flush(self) -> None:
-        optimizer = accumulating_optimizer(self.model.optimizer)
-        if optimizer is None:
-            raise ValueError(
-                "FlushAccumulation needs an accumulating optimizer "
-                "(an `accum_optimizers` class or `accumulating(cls)`). "
-                f"Received: optimizer={self.model.optimizer!r}"
-            )
-        optimizer.flush()
-        for layer in _nested_layers(self.model):
+        for optimizer in _accumulating(self.model, "FlushAccumulation"):
+            optimizer.flush()
+        # Every sublayer, as Keras tracks them: inside nested models and
+        # inside custom layers.
+        for layer in _keras_private.sublayers(self.model):
             if isinstance(layer, AccumBatchNormalization):
                 layer.flush()
+        count_updates_in_multi_optimizer(self.model.optimizer)
 
     def on_train_begin(self, logs: Optional[dict[str, Any]] = None) -> None:
-        optimizer = accumulating_optimizer(self.model.optimizer)
-        if optimizer is not None and self.at_train_end:
+        self._unhook_epoch_end()  # Left by a `fit` that raised.
+        optimizers = _accumulating(self.model, "FlushAccumulation")
+        count_updates_in_multi_optimizer(self.model.optimizer)
+        if self.at_train_end:
             # The optimizer's end-of-`fit` warning about a pending window
             # is for runs without this callback.
-            optimizer._accum_flush_at_train_end = True
+            for optimizer in optimizers:
+                optimizer._accum_flush_at_train_end = True
+        self._epoch_flush_due = False
+        self._evaluating = 0
+        self._hook_epoch_end()
+
+    def _hook_epoch_end(self) -> None:
+        """Flushes where `fit` ends an epoch's training loop.
+
+        Keras' `fit` validates the epoch before `on_epoch_end`, and calls
+        the callbacks' `on_epoch_end` in list order; a flush there would
+        come after `val_loss` and after a `ModelCheckpoint` listed first.
+        Every backend's `fit` calls `model._get_metrics_result_or_logs`
+        right after the epoch's last train step (after JAX puts the
+        trained state back on the model) and before validation: the flush
+        runs there, whatever the number of steps.
+        """
+        model = self.model
+        original = model._get_metrics_result_or_logs
+        original_evaluate = model.evaluate
+
+        def get_metrics_result_or_logs(logs):
+            if self._epoch_flush_due and not self._evaluating:
+                self._epoch_flush_due = False
+                self._flush()
+            return original(logs)
+
+        def evaluate(*args, **kwargs):
+            # An `evaluate` a callback runs mid-epoch does not end it.
+            self._evaluating += 1
+            try:
+                return original_evaluate(*args, **kwargs)
+            finally:
+                self._evaluating -= 1
+
+        model._get_metrics_result_or_logs = get_metrics_result_or_logs
+        model.evaluate = evaluate
+        self._hooked = model
+
+    def _unhook_epoch_end(self) -> None:
+        model = self.__dict__.pop("_hooked", None)
+        if model is not None:
+            del model._get_metrics_result_or_logs
+            del model.evaluate
+
+    def on_epoch_begin(
+        self, epoch: int, logs: Optional[dict[str, Any]] = None
+    ) -> None:
+        last_epoch = epoch + 1 == self.params.get("epochs")
+        self._epoch_flush_due = self.every_epoch or (
+            self.at_train_end and last_epoch
+        )
 
     def on_epoch_end(
         self, epoch: int, logs: Optional[dict[str, Any]] = None
     ) -> None:
-        last_epoch = epoch + 1 == self.params.get("epochs")
-        if self.every_epoch or (self.at_train_end and last_epoch):
+        # Where `fit` did not pass through the hook (a trainer of one's
+        # own), the flush lands here.
+        if self._epoch_flush_due:
+            self._epoch_flush_due = False
             self._flush()
 
     def on_train_end(self, logs: Optional[dict[str, Any]] = None) -> None:
+        self._unhook_epoch_end()
         if self.at_train_end:
             self._flush()
-        optimizer = accumulating_optimizer(self.model.optimizer)
-        if optimizer is not None:
+        for optimizer in accumulating_optimizers(self.model.optimizer):
             optimizer._accum_flush_at_train_end = False
 
     def get_config(self) -> dict[str, Any]:
@@ -139,9 +196,10 @@ class AccumulationLogger(keras.callbacks.Callback):
       (`optimizer.micro_batches_seen`);
     - `accumulation/window_fill`: `micro_steps / accum_iters`, from 0 (no
       window pending) up to `(accum_iters - 1) / accum_iters`;
-    - `accumulation/effective_batch_size`: `batch_size * accum_iters`, the
-      batch one update averages over (only when `batch_size` is given; a
-      flushed partial window averages over fewer samples).
+    - `accumulation/effective_batch_size`: `batch_size * accum_iters` of
+      the window that produced the update at that step, the batch it
+      averaged over (only when `batch_size` is given; a flushed partial
+      window averages over fewer samples).
 
     A point is written at each epoch's end and, with `update_freq`, after
     batches that applied an update. The event file is written by the
@@ -162,7 +220,8 @@ class AccumulationLogger(keras.callbacks.Callback):
         update_freq: `"epoch"`, `"batch"` or an integer `N >= 1`. With
             `"epoch"` (the default), the values are logged at the end of
             each epoch only; with `N`, also after every `N` training batches
-            (`"batch"` is `1`), so the progress bar shows them as it runs.
+            (micro-batches, also with `steps_per_execution`; `"batch"` is
+            `1`), so the progress bar shows them as it runs.
     """
 
     def __init__(
@@ -172,6 +231,12 @@ class AccumulationLogger(keras.callbacks.Callback):
         update_freq: Union[str, int] = "epoch",
     ) -> None:
         super().__init__()
+        if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+            raise TypeError(
+                "`log_dir` must be a path (str or os.PathLike) or None. "
+                f"Received: log_dir={log_dir!r} of type "
+                f"{type(log_dir).__name__}"
+            )
         if log_dir is not None and not _tensorboard.available():
             raise ImportError(
                 f"{_tensorboard.INSTALL_HINT} Received: log_dir={log_dir!r}"
@@ -201,18 +266,25 @@ class AccumulationLogger(keras.callbacks.Callback):
         self._written = None
 
     def _optimizer(self) -> keras.optimizers.Optimizer:
-        optimizer = accumulating_optimizer(self.model.optimizer)
-        if optimizer is None:
+        """The accumulating optimizer whose counters are logged: the
+        model's, or the first of a `MultiOptimizer`'s, whose inner
+        accumulating optimizers must then share one `accum_iters`."""
+        optimizers = _accumulating(self.model, "AccumulationLogger")
+        sizes = [o.accum_iters for o in optimizers]
+        if len({repr(size) for size in sizes}) > 1:
             raise ValueError(
-                "AccumulationLogger needs an accumulating optimizer "
-                "(an `accum_optimizers` class or `accumulating(cls)`). "
-                f"Received: optimizer={self.model.optimizer!r}"
+                "AccumulationLogger logs one window, but the "
+                "MultiOptimizer's accumulating optimizers have different "
+                f"windows: accum_iters={sizes}. Give them the same "
+                "`accum_iters`."
             )
-        return optimizer
+        return optimizers[0]
 
     def on_train_begin(self, logs: Optional[dict[str, Any]] = None) -> None:
         self._optimizer()  # Fails before the first batch, not after it.
+        count_updates_in_multi_optimizer(self.model.optimizer)
         self._batches = 0
+        self._epoch_batches = 0
         self._written = None
         if self.log_dir is not None:
             self._writer = _tensorboard.scalar_writer(
@@ -224,9 +296,18 @@ class AccumulationLogger(keras.callbacks.Callback):
     ) -> None:
         if self.update_freq == "epoch":
             return
-        self._batches += 1
-        if self._batches % self.update_freq == 0:
+        # `batch` is the index of the execution's last micro-batch in the
+        # epoch: with `steps_per_execution`, one call ends several.
+        before = self._batches
+        self._batches += batch + 1 - self._epoch_batches
+        self._epoch_batches = batch + 1
+        if self._batches // self.update_freq > before // self.update_freq:
             self._log(logs, new_updates_only=True)
+
+    def on_epoch_begin(
+        self, epoch: int, logs: Optional[dict[str, Any]] = None
+    ) -> None:
+        self._epoch_batches = 0
 
     def on_epoch_end(
         self, epoch: int, logs: Optional[dict[str, Any]] = None
@@ -266,7 +347,14 @@ class AccumulationLogger(keras.callbacks.Callback):
             "window_fill": micro_steps / accum_iters,
         }
         if self.batch_size is not None:
-            scalars["effective_batch_size"] = self.batch_size * accum_iters
+            # The window that produced update `updates` (counting from 1)
+            # had the size the schedule gave at `updates - 1`.
+            produced = int(
+                ops.convert_to_numpy(
+                    optimizer._accum_window_size(max(updates - 1, 0))
+                )
+            )
+            scalars["effective_batch_size"] = self.batch_size * produced
         for name, value in scalars.items():
             self._writer.scalar(f"accumulation/{name}", value, step=updates)
 

@@ -11,6 +11,7 @@ the window's samples together: the moving statistics of a
 import keras
 from keras import ops
 
+from accum_optimizers import _keras_private
 from accum_optimizers._validation import validate_accum_iters
 
 
@@ -284,7 +285,10 @@ def with_accum_batch_norm(model, accum_iters):
     configuration and `accum_iters`; every other layer is cloned as is. All
     weights are copied, moving statistics included; the new layers start
     with an empty window. The clone is not compiled. Other subclasses of
-    `BatchNormalization` are refused with a `ValueError`.
+    `BatchNormalization`, and a `BatchNormalization` inside a layer of your
+    own (a `keras.layers.Layer` subclass, which makes its sublayers
+    itself), are refused with a `ValueError`: make such a layer create
+    `AccumBatchNormalization` itself.
 
     Args:
         model: A Sequential or Functional `keras.Model`.
@@ -315,9 +319,35 @@ def with_accum_batch_norm(model, accum_iters):
         return new
 
     clone = keras.models.clone_model(model, clone_function=swap, recursive=True)
+    for layer in _keras_private.sublayers(clone):
+        # A layer of your own is cloned from its config, and makes its
+        # sublayers itself: one holding a BatchNormalization cannot be
+        # swapped from outside, and is not left per micro-batch silently.
+        if isinstance(layer, keras.layers.BatchNormalization) and not (
+            isinstance(layer, AccumBatchNormalization)
+        ):
+            owner = _owner_of(clone, layer)
+            raise ValueError(
+                f"Cannot swap layer {layer.name!r} ({type(layer).__name__}) "
+                f"inside layer {owner.name!r} of class "
+                f"{type(owner).__name__}, a layer of your own: "
+                "with_accum_batch_norm swaps the layers of Sequential and "
+                "Functional models only. Make it create "
+                "`AccumBatchNormalization(accum_iters=...)` itself."
+            )
     for old, new in pairs:
         _copy_weights(old, new)
     return clone
+
+
+def _owner_of(model, layer):
+    """The layer of `model` (nested models looked into) holding `layer`."""
+    for candidate in _keras_private.sublayers(model):
+        if isinstance(candidate, keras.Model):
+            continue
+        if any(inner is layer for inner in _keras_private.sublayers(candidate)):
+            return candidate
+    return model
 
 
 def _copy_weights(old, new):

@@ -66,6 +66,12 @@ class AccumSchedule:
     def from_config(cls, config):
         return cls(**config)
 
+    def __repr__(self):
+        arguments = ", ".join(
+            f"{name}={value!r}" for name, value in self.get_config().items()
+        )
+        return f"{type(self).__name__}({arguments})"
+
 
 @register_keras_serializable(package=_PACKAGE)
 class PiecewiseConstantAccumIters(AccumSchedule):

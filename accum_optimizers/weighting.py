@@ -16,10 +16,13 @@ micro-batch's gradients, on every backend and under `tf.distribute`.
 """
 
 import keras
+import numpy as np
 from keras import ops
 
 from accum_optimizers import _keras_private
+from accum_optimizers import _loss_scale  # noqa: F401 (patches on import)
 from accum_optimizers._accumulation import GradientAccumulation
+from accum_optimizers._validation import concrete_value
 
 _DIVIDED_BY_COUNT = ("sum_over_batch_size", "mean")
 
@@ -53,8 +56,7 @@ def weigh_micro_batches(model):
             "`model` must be a `keras.Model`. Received: "
             f"model={model!r} of type {type(model).__name__}"
         )
-    optimizer = _accumulating_optimizer(getattr(model, "optimizer", None))
-    if optimizer is not None:
+    for optimizer in accumulating_optimizers(getattr(model, "optimizer", None)):
         optimizer._accum_check_weighable()
     if getattr(model, "_accum_weighs_micro_batches", False):
         return model
@@ -65,12 +67,29 @@ def weigh_micro_batches(model):
         x=None, y=None, y_pred=None, sample_weight=None, training=True
     ):
         kwargs = {"training": training} if takes_training else {}
-        optimizer = _accumulating_optimizer(model.optimizer)
-        if not training or optimizer is None:
+        optimizers = [
+            optimizer
+            for optimizer in accumulating_optimizers(model.optimizer)
+            if optimizer._accumulates
+        ]
+        if not training or not optimizers:
             return compute_loss(x, y, y_pred, sample_weight, **kwargs)
+        _refuse_torch_compile(model)
+        count_updates_in_multi_optimizer(model.optimizer, sync=False)
         with _keras_private.recorded_loss_reductions() as reductions:
             loss = compute_loss(x, y, y_pred, sample_weight, **kwargs)
-        optimizer._accum_hand_over(_micro_batch_weight(reductions, y_pred))
+        weight, checked, poisoned = _checked_normalizer(
+            _micro_batch_weight(reductions, y_pred)
+        )
+        if poisoned:
+            # Where compiled code cannot raise, a refused weight is NaN:
+            # so is the loss, which `TerminateOnNaN` stops on before the
+            # window closes.
+            loss = ops.where(ops.isnan(weight), float("nan"), loss)
+        # Each accumulating optimizer (several under a `MultiOptimizer`)
+        # weighs its own variables' gradients by the micro-batch's weight.
+        for optimizer in optimizers:
+            optimizer._accum_hand_over(weight, checked=checked)
         return loss
 
     model.compute_loss = weighed_compute_loss
@@ -81,14 +100,124 @@ def weigh_micro_batches(model):
     return model
 
 
-def _accumulating_optimizer(optimizer):
-    """The accumulating optimizer in `optimizer` (itself, or the one a
-    `LossScaleOptimizer` wraps), or `None`."""
-    while optimizer is not None:
-        if isinstance(optimizer, GradientAccumulation):
-            return optimizer if optimizer._accumulates else None
-        optimizer = getattr(optimizer, "inner_optimizer", None)
-    return None
+def accumulating_optimizers(optimizer):
+    """The accumulating optimizers `optimizer` applies through.
+
+    `optimizer` itself, the one a `keras.optimizers.LossScaleOptimizer`
+    wraps (`compile` adds one under the `mixed_float16` policy), or those
+    of a `keras.optimizers.MultiOptimizer`, in its order. Optimizers with
+    `accum_iters=1` are included; ones that do not accumulate
+    (Keras' own) are not.
+
+    Args:
+        optimizer: a `keras.optimizers.Optimizer`, or `None`.
+
+    Returns:
+        A list of `GradientAccumulation` optimizers, possibly empty.
+    """
+    while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    if isinstance(optimizer, keras.optimizers.MultiOptimizer):
+        inner = optimizer.optimizers
+    else:
+        inner = [optimizer]
+    return [o for o in inner if isinstance(o, GradientAccumulation)]
+
+
+def count_updates_in_multi_optimizer(optimizer, sync=True):
+    """Makes a `MultiOptimizer` of accumulating optimizers count applied
+    updates in `iterations`, as its inner optimizers do.
+
+    Keras' `MultiOptimizer.apply` adds 1 to its `iterations` on every call,
+    a micro-batch. When every inner optimizer accumulates with the same
+    `accum_iters`, they update together, and `iterations` is set to their
+    count after each call (and now, for a `flush()` run since). Otherwise
+    the inner optimizers count differently, and `iterations` is left as
+    Keras counts it. Does nothing for other optimizers; idempotent.
+
+    Args:
+        optimizer: a `keras.optimizers.Optimizer`.
+        sync: Boolean. Also set `iterations` now (eagerly). Defaults to
+            `True`.
+    """
+    if not isinstance(optimizer, keras.optimizers.MultiOptimizer):
+        return
+    inner = optimizer.optimizers
+    accumulating = accumulating_optimizers(optimizer)
+    if not accumulating or len(accumulating) != len(inner):
+        return
+    configs = {repr(o.accum_iters) for o in accumulating}
+    if len(configs) != 1:
+        return
+    reference = accumulating[0]
+    if not optimizer.__dict__.get("_accum_counts_updates", False):
+        apply = optimizer.apply
+
+        def counting_apply(grads, trainable_variables=None):
+            apply(grads, trainable_variables)
+            if reference.built:
+                optimizer.iterations.assign(reference.iterations)
+
+        optimizer.apply = counting_apply
+        optimizer._accum_counts_updates = True
+    if sync and optimizer.built and reference.built:
+        optimizer.iterations.assign(reference.iterations)
+
+
+def _refuse_torch_compile(model):
+    """torch's compiler (`jit_compile=True`) recompiles the train step for
+    every micro-batch's hand-over, up to its recompile limit."""
+    if keras.backend.backend() == "torch" and getattr(
+        model, "jit_compile", False
+    ):
+        raise ValueError(
+            "weigh_micro_batches(model) does not support `jit_compile=True` "
+            "on the torch backend: torch.compile would recompile the train "
+            "step for every micro-batch. Compile the model with "
+            "`jit_compile=False`. Received: jit_compile=True"
+        )
+
+
+def _checked_normalizer(weight):
+    """`(weight, checked, poisoned)`: `weight`, refused when negative or not
+    finite (a negative sum of sample weights under
+    `mean_with_sample_weight`: a window's total weight could then be `0`
+    or negative, and its mean meaningless). `0` is kept: a micro-batch
+    whose samples are all masked or weigh 0.
+
+    Concrete values raise here; in a TensorFlow graph an assertion fails
+    the train step before any state changes (`checked` returns the context
+    the optimizer's state changes run in; else it is `None`); where
+    compiled code cannot fail (JAX, XLA) the weight becomes NaN
+    (`poisoned` is `True`), which makes the window NaN (`flush` discards
+    it).
+    """
+    message = (
+        "weigh_micro_batches(model): a micro-batch's loss normalizer (the "
+        "sum of its sample weights) must be finite and >= 0; negative "
+        "sample weights are not supported."
+    )
+    value = concrete_value(weight)
+    if value is not None:
+        if not (np.isfinite(value) and value >= 0):
+            raise ValueError(f"{message} Received: normalizer={value!r}")
+        return weight, None, False
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        valid = tf.math.is_finite(weight) & (weight >= 0)
+        if not _keras_private.in_xla_context():
+            check = tf.debugging.Assert(
+                valid, [f"{message} Received: normalizer=", weight]
+            )
+            with tf.control_dependencies([check]):
+                weight = tf.identity(weight)
+            return weight, lambda: tf.control_dependencies([check]), False
+    else:
+        valid = ops.logical_and(
+            ops.isfinite(weight), ops.greater_equal(weight, 0.0)
+        )
+    return ops.where(valid, weight, float("nan")), None, True
 
 
 def _micro_batch_weight(reductions, y_pred):
@@ -147,6 +276,10 @@ def _count(reduction):
     if name == "mean_with_sample_weight" and (
         sample_weight is not None or mask is not None
     ):
+        # A copy: on torch `apply_mask` multiplies `sample_weight` in
+        # place, and autograd saved it for the loss's backward pass.
+        if sample_weight is not None:
+            sample_weight = ops.copy(sample_weight)
         weights = loss_module.apply_mask(
             sample_weight, mask, dtype=values.dtype, reduction=name
         )

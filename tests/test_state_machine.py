@@ -1,7 +1,11 @@
 """A stateful property test: random sequences of what users do to an
 accumulating optimizer, checked after every step against an independent
 reference: a numpy model of the window and the parent Keras optimizer fed
-the window's (weighted) mean gradient."""
+the window's (weighted) mean gradient. Drawn runs put the optimizer inside a
+`LossScaleOptimizer` (its loss scale modelled by hand), whose weights-only
+resume must keep the loss scale. Layers (nested `AccumBatchNormalization`)
+are not part of this machine: they are a model's, tested in
+`test_holes.py`."""
 
 import keras
 import numpy as np
@@ -28,6 +32,7 @@ CLASSES = {
         {"learning_rate": 0.1, "momentum": 0.9},
     ),
 }
+INITIAL_SCALE, GROWTH = 4.0, 3
 # `None` counts 1; the others are micro-batch sizes, token counts, or sums
 # of sample weights scaled far from 1 (the big batch does not depend on the
 # scale).
@@ -46,9 +51,11 @@ grad_values = st.integers(0, 2**32 - 1).map(
 
 class AccumulationMachine(RuleBasedStateMachine):
     @initialize(
-        name=st.sampled_from(sorted(CLASSES)), accum_iters=st.integers(2, 4)
+        name=st.sampled_from(sorted(CLASSES)),
+        accum_iters=st.integers(2, 4),
+        loss_scaled=st.booleans(),
     )
-    def setup(self, name, accum_iters):
+    def setup(self, name, accum_iters, loss_scaled):
         keras.backend.clear_session(free_memory=False)
         cls, parent_cls, self.options = CLASSES[name]
         self.cls, self.accum_iters = cls, accum_iters
@@ -62,6 +69,33 @@ class AccumulationMachine(RuleBasedStateMachine):
         self.window = []  # the reference's pending calls: lists with None
         self.weights = []  # and their weights (None counts 1)
         self.frozen = False
+        # The loss scale and its step counter, by hand: after `GROWTH`
+        # finite steps the scale doubles (Keras' dynamic loss scaling).
+        self.wrapper = None
+        if loss_scaled:
+            self.wrapper = self._wrap(self.optimizer)
+            self.wrapper.build(self.variables)
+        self.scale, self.scale_steps = INITIAL_SCALE, 0
+
+    def _wrapper_apply(self, grads):
+        if keras.backend.backend() != "jax":
+            return self.wrapper.apply(grads, self.variables)
+        # JAX runs a LossScaleOptimizer's branches stateless only.
+        state = self.wrapper.variables
+        new_variables, new_state = self.wrapper.stateless_apply(
+            [v.value for v in state], grads, [v.value for v in self.variables]
+        )
+        for variable, value in zip(self.variables, new_variables):
+            variable.assign(value)
+        for variable, value in zip(state, new_state):
+            variable.assign(value)
+
+    def _wrap(self, optimizer):
+        return keras.optimizers.LossScaleOptimizer(
+            optimizer,
+            initial_scale=INITIAL_SCALE,
+            dynamic_growth_steps=GROWTH,
+        )
 
     # -- The reference ---------------------------------------------------
 
@@ -82,7 +116,18 @@ class AccumulationMachine(RuleBasedStateMachine):
         if all(g is None for g in grads):
             return
         tensor = keras.ops.convert_to_tensor
-        if subset:
+        if self.wrapper is not None:
+            # Gradients of the scaled loss (powers of 2: unscaled exactly);
+            # `LossScaleOptimizer.apply` takes no `weight`.
+            weight = None
+            self._wrapper_apply(
+                [None if g is None else tensor(g * self.scale) for g in grads]
+            )
+            if self.scale_steps == GROWTH - 1:
+                self.scale, self.scale_steps = self.scale * 2, 0
+            else:
+                self.scale_steps += 1
+        elif subset:
             kept = [i for i, g in enumerate(grads) if g is not None]
             self.optimizer.apply(
                 [tensor(grads[i]) for i in kept],
@@ -164,18 +209,28 @@ class AccumulationMachine(RuleBasedStateMachine):
 
     @rule(before_build=st.booleans())
     def save_and_load(self, before_build):
-        store = {}
+        # As Keras' saving stores them: a LossScaleOptimizer's variables
+        # (its own and the inner optimizer's), and the inner one's.
+        store, wrapper_store = {}, {}
         self.optimizer.save_own_variables(store)
+        if self.wrapper is not None:
+            self.wrapper.save_own_variables(wrapper_store)
         restored = self.cls(accum_iters=self.accum_iters, **self.options)
+        wrapper = None if self.wrapper is None else self._wrap(restored)
+        built = wrapper or restored
         if before_build:  # weights-only resume: load, then build
+            if wrapper is not None:
+                wrapper.load_own_variables(wrapper_store)
             restored.load_own_variables(store)
-            restored.build(self.variables)
+            built.build(self.variables)
         else:
-            restored.build(self.variables)
+            built.build(self.variables)
+            if wrapper is not None:
+                wrapper.load_own_variables(wrapper_store)
             restored.load_own_variables(store)
-        self.optimizer = restored
+        self.optimizer, self.wrapper = restored, wrapper
 
-    @precondition(lambda self: self.window)
+    @precondition(lambda self: self.window and self.wrapper is None)
     @rule(accum_iters=st.integers(2, 5))
     def load_into_another_accum_iters(self, accum_iters):
         store = {}
@@ -209,6 +264,10 @@ class AccumulationMachine(RuleBasedStateMachine):
             what="optimizer variable",
         )
         assert int(self.optimizer.micro_steps) == len(self.window)
+        if self.wrapper is not None:
+            scale = to_numpy([self.wrapper.dynamic_scale])[0]
+            steps = to_numpy([self.wrapper.step_counter])[0]
+            assert (float(scale), int(steps)) == (self.scale, self.scale_steps)
 
 
 AccumulationMachine.TestCase.settings = settings(
