@@ -136,9 +136,7 @@ def nbytes(variables):
     import numpy as np
 
     return int(
-        sum(
-            np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in variables
-        )
+        sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in variables)
     )
 
 
@@ -274,20 +272,20 @@ def table(records):
             record["config"]
         ] = record
     for (mode, workload), configs in groups.items():
-        peaks = all(configs[c]["peak_bytes"] is not None for c in configs)
+        peaks = all(r["peak_bytes"] is not None for r in configs.values())
         key = "peak_bytes" if peaks else "state_bytes"
         sums = configs["parent"]["sums_bytes"]
         base = configs["parent"][key]
-
-        def ratio(config):
-            if config not in configs:
-                return "n/a"
-            return f"{(configs[config][key] - base) / sums:.2f}"
-
+        ratios = {
+            config: f"{(configs[config][key] - base) / sums:.2f}"
+            if config in configs
+            else "n/a"
+            for config in ("ours_k4", "keras_builtin_k4", "parent_4b")
+        }
         lines.append(
             f"| {mode} | {workload} | {'peak' if peaks else 'state only'} "
-            f"| {mib(sums)} | {mib(base)} | {ratio('ours_k4')} "
-            f"| {ratio('keras_builtin_k4')} | {ratio('parent_4b')} |"
+            f"| {mib(sums)} | {mib(base)} | {ratios['ours_k4']} "
+            f"| {ratios['keras_builtin_k4']} | {ratios['parent_4b']} |"
         )
     return "\n".join(lines)
 

@@ -30,7 +30,6 @@ them with the parent Keras optimizer on one process with the global batch
 """
 
 import contextlib
-
 import datetime
 import os
 import sys
