@@ -98,4 +98,4 @@ def test_extra_bytes_per_device_are_the_models_shard(result):
 
 def test_an_optimizer_made_outside_the_scope_is_refused(result):
     # Its counters live on one device; the compiled train step refuses them.
-    assert result["made_outside"] != "trained"
+    assert "incompatible devices" in result["made_outside"]
