@@ -135,8 +135,7 @@ def rank_main(args):
     result = {
         way: {
             "samples_per_s": statistics.median(runs[way][3]),
-            "optimizer_all_reduces_per_window": counts[way]["all_reduce"]
-            / args.windows,
+            "all_reduces_per_window": counts[way]["all_reduce"] / args.windows,
             "backward_all_reduces_per_window": counts[way]["backward"]
             / args.windows,
         }
@@ -192,8 +191,8 @@ def main(argv=None):
         return 1
     ranks = json.loads(out.splitlines()[-1])
     print(
-        "| way | samples/s (median, slowest rank) | optimizer all-reduces "
-        "per window | DDP backward all-reduces per window |"
+        "| way | samples/s (median, slowest rank) | all-reduces per window "
+        "| of them in backward (DDP) |"
     )
     print("|---|---|---|---|")
     rates = {}
@@ -202,7 +201,7 @@ def main(argv=None):
         counted = ranks[0][way]
         print(
             f"| {way} | {rates[way]:.0f} "
-            f"| {counted['optimizer_all_reduces_per_window']:.0f} "
+            f"| {counted['all_reduces_per_window']:.0f} "
             f"| {counted['backward_all_reduces_per_window']:.0f} |"
         )
     ratio = rates["per_window"] / rates["every_step"]

@@ -107,3 +107,23 @@ def test_memory_benchmark_measures_peaks_and_reports_extra_over_sums(capsys):
     assert 0 <= extra_state - ours["sums_bytes"] <= 64
     table = memory.table(records)
     assert "| jax | mlp | peak |" in table
+
+
+@pytest.mark.backends("torch")
+def test_torch_ddp_benchmark_counts_one_exchange_per_window():
+    # 2 gloo ranks; only the counts are judged, never the rates.
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.torch_ddp", "--smoke"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[3:5]
+        for line in result.stdout.splitlines()
+        if line.startswith("| every_step") or line.startswith("| per_window")
+    }
+    assert [c.strip() for c in rows["every_step"]] == ["4", "4"]
+    assert [c.strip() for c in rows["per_window"]] == ["1", "0"]
