@@ -219,6 +219,10 @@ def tensorflow_xla_peak(model, data):
     import jax
     import jax.extend
     import tensorflow as tf
+
+    # jaxlib's private converter and compiler entry points (a benchmark's
+    # use, not the package's): the only public route from HLO to XLA's
+    # memory analysis.
     from jax._src.interpreters import mlir
     from jax._src.lib import xla_client
     from jax._src.lib.mlir import ir
