@@ -602,6 +602,9 @@ class GradientAccumulation(BackendAccumulation):
             ops.greater(total_weight, 0.0), total_weight, 1.0
         )
         means = self._accum_window_mean(sums, total_weight)
+        means = self._accum_store_means(
+            [self._accum_sums[i] for i in summed], means
+        )
         grads = dict(zip(summed, means))
         for i in present:
             if i not in totals:

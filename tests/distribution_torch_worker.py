@@ -17,12 +17,19 @@ loop. For every case in `CASES`, on every micro-step, each rank
    to our optimizer's `apply` (with `accum_iters=K`), under
    `torch.no_grad()` as Keras' own torch trainer does, then zeroes them.
 
+Each case is also run once per window: the forward and backward passes of
+every micro-step under `ddp.no_sync()` (no gradient crosses ranks) and the
+optimizer under `torch_distributed.sync_windows`, which all-reduces the
+window's sums when it closes; `torch.distributed.all_reduce` is wrapped to
+count its calls.
+
 Every rank writes its final weights, its optimizer's counters and the
 number of gradient all-reduces to `OUT/rank{RANK}.npz`; the test compares
 them with the parent Keras optimizer on one process with the global batch
 `K * B * WORLD_SIZE`.
 """
 
+import contextlib
 import datetime
 import os
 import sys
@@ -39,6 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accum_optimizers import AdamAccumulate
 from accum_optimizers import SGDAccumulate
+from accum_optimizers.torch_distributed import sync_windows
 
 K, B, WORLD_SIZE, WINDOWS = 3, 4, 2, 2
 GLOBAL_MICRO = B * WORLD_SIZE
@@ -59,25 +67,47 @@ def counting_allreduce(state, bucket):
     return default_hooks.allreduce_hook(None, bucket)
 
 
-def train(case, rank, x, y):
+@contextlib.contextmanager
+def counting_all_reduces(state):
+    """Counts the calls of `torch.distributed.all_reduce` in the block."""
+    original = dist.all_reduce
+
+    def counted(*args, **kwargs):
+        state["all_reduces"] += 1
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        yield
+    finally:
+        dist.all_reduce = original
+
+
+def train(case, rank, x, y, windows=False):
+    """Trains one case; `windows`: micro-steps under `no_sync()` and the
+    optimizer under `sync_windows` (keys suffixed `_windows`)."""
     optimizer_class, kwargs = CASES[case]
     model = small_model(0)
     ddp = DistributedDataParallel(model)
-    state = {"reductions": 0}
+    state = {"reductions": 0, "all_reduces": 0}
     ddp.register_comm_hook(state, counting_allreduce)
     optimizer = optimizer_class(accum_iters=K, **kwargs)
+    if windows:
+        sync_windows(optimizer)
     variables = model.trainable_variables
     for start in range(0, N, GLOBAL_MICRO):
         lo = start + rank * B
         xb = torch.from_numpy(x[lo : lo + B])
         yb = torch.from_numpy(y[lo : lo + B])
-        loss = torch.mean(torch.square(ddp(xb) - yb))
-        loss.backward()  # DDP all-reduces (averages) the gradients here
+        with ddp.no_sync() if windows else contextlib.nullcontext():
+            loss = torch.mean(torch.square(ddp(xb) - yb))
+            loss.backward()  # without no_sync, DDP averages the gradients
         # A Keras torch variable's `.value` is its `torch.nn.Parameter`.
         grads = [v.value.grad for v in variables]
-        with torch.no_grad():
+        with torch.no_grad(), counting_all_reduces(state):
             optimizer.apply(grads, variables)
         ddp.zero_grad()
+    case = f"{case}_windows" if windows else case
     results = {f"{case}_w{i}": w for i, w in enumerate(model.get_weights())}
     results[f"{case}_iterations"] = int(
         keras.ops.convert_to_numpy(optimizer.iterations)
@@ -89,6 +119,7 @@ def train(case, rank, x, y):
         keras.ops.convert_to_numpy(optimizer.micro_steps)
     )
     results[f"{case}_reductions"] = state["reductions"]
+    results[f"{case}_all_reduces"] = state["all_reduces"]
     return results
 
 
@@ -104,6 +135,7 @@ def main(out):
         results = {"rank": rank, "world_size": dist.get_world_size()}
         for case in CASES:
             results.update(train(case, rank, x, y))
+            results.update(train(case, rank, x, y, windows=True))
         np.savez(Path(out) / f"rank{rank}.npz", **results)
     finally:
         dist.destroy_process_group()

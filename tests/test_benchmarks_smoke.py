@@ -85,3 +85,45 @@ def test_window_profiler_runs_and_prints_its_table(arguments, capsys):
     rows = [line for line in out.splitlines() if line[:2] == "| "]
     # The header and a row per configuration.
     assert len(rows) >= 4
+
+
+@pytest.mark.backends("jax")
+def test_memory_benchmark_measures_peaks_and_reports_extra_over_sums(capsys):
+    # The JAX worker in this process (`python -m benchmarks.memory` runs it
+    # in a process per backend), on the smoke workload; no ratio is judged.
+    from benchmarks import memory
+
+    memory.main(["--worker", "jax", "--smoke", "--workloads", "mlp"])
+    lines = capsys.readouterr().out.splitlines()
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    assert [r["config"] for r in records] == memory.CONFIGS
+    for record in records:
+        assert record["peak_bytes"] > record["sums_bytes"] > 0
+    ours = next(r for r in records if r["config"] == "ours_k4")
+    parent = next(r for r in records if r["config"] == "parent")
+    # The optimizer's state grows by the sums and three scalar counters
+    # (and a flag per variable).
+    extra_state = ours["state_bytes"] - parent["state_bytes"]
+    assert 0 <= extra_state - ours["sums_bytes"] <= 64
+    table = memory.table(records)
+    assert "| jax | mlp | peak |" in table
+
+
+@pytest.mark.backends("torch")
+def test_torch_ddp_benchmark_counts_one_exchange_per_window():
+    # 2 gloo ranks; only the counts are judged, never the rates.
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.torch_ddp", "--smoke"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[3:5]
+        for line in result.stdout.splitlines()
+        if line.startswith("| every_step") or line.startswith("| per_window")
+    }
+    assert [c.strip() for c in rows["every_step"]] == ["4", "4"]
+    assert [c.strip() for c in rows["per_window"]] == ["1", "0"]

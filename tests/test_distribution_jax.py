@@ -51,6 +51,10 @@ def results(tmp_path_factory):
         XLA_FLAGS=f"{xla_flags} --xla_force_host_platform_device_count="
         f"{DEVICE_COUNT}".strip(),
         TF_CPP_MIN_LOG_LEVEL="3",
+        # This checkout's package, not an installed one.
+        PYTHONPATH=os.pathsep.join(
+            [str(HERE.parent), os.environ.get("PYTHONPATH", "")]
+        ),
     )
     completed = subprocess.run(
         [

@@ -137,6 +137,10 @@ def run_ranks(out, world_size):
                 RANK=str(rank),
                 WORLD_SIZE=str(world_size),
                 OMP_NUM_THREADS="1",  # 2 processes on 2 cores
+                # This checkout's package, not an installed one.
+                PYTHONPATH=os.pathsep.join(
+                    [str(HERE.parent), os.environ.get("PYTHONPATH", "")]
+                ),
                 TF_CPP_MIN_LOG_LEVEL="3",
             )
             with open(out / f"rank{rank}.log", "w") as log:
@@ -240,3 +244,76 @@ def test_ddp_reduces_the_gradients_every_micro_step(ranks, case):
 
     for result in ranks:
         assert result[f"{case}_reductions"] == K * WINDOWS
+
+
+# -- Once per window: no_sync() and sync_windows ------------------------------
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sync_windows_equals_one_process_global_batch(ranks, case):
+    from distribution_torch_worker import WINDOWS
+
+    for result in ranks:
+        for i, weight in enumerate(parent_weights(case)):
+            np.testing.assert_allclose(
+                result[f"{case}_windows_w{i}"], weight, rtol=1e-5, atol=1e-6
+            )
+        assert result[f"{case}_windows_iterations"] == WINDOWS
+        assert result[f"{case}_windows_micro_steps"] == 0
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sync_windows_ranks_are_bit_identical(ranks, case):
+    chief, other = ranks
+    keys = [k for k in chief if k.startswith(f"{case}_windows_w")]
+    assert keys
+    for key in keys:
+        np.testing.assert_array_equal(other[key], chief[key])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sync_windows_reduces_once_per_window(ranks, case):
+    # No gradient all-reduce in any backward (every one under no_sync), and
+    # one all-reduce per window (the small model's sums fit one bucket).
+    from distribution_torch_worker import WINDOWS
+
+    for result in ranks:
+        assert result[f"{case}_windows_reductions"] == 0
+        assert result[f"{case}_windows_all_reduces"] == WINDOWS
+        # Without sync_windows the optimizer itself never all-reduces.
+        assert result[f"{case}_all_reduces"] == 0
+
+
+def test_buckets_split_by_size_and_dtype():
+    import torch
+
+    from accum_optimizers._backend.torch import _buckets
+
+    tensors = [
+        torch.zeros(4),  # 16 bytes
+        torch.zeros(2),  # 8
+        torch.zeros(3),  # 12: over 32 with the first two
+        torch.zeros(1, dtype=torch.float64),
+        torch.zeros(20),  # 80: larger than a bucket, alone
+    ]
+    sizes = [[t.numel() for t in b] for b in _buckets(tensors, 32)]
+    assert sizes == [[4, 2], [3], [1], [20]]
+
+
+def test_sync_windows_refuses_what_it_cannot_sync():
+    import torch.distributed as dist
+
+    from accum_optimizers import AdamAccumulate
+    from accum_optimizers.torch_distributed import sync_windows
+
+    with pytest.raises(ValueError, match="accum_iters=1"):
+        sync_windows(AdamAccumulate(accum_iters=1))
+    with pytest.raises(ValueError, match="optimizer="):
+        sync_windows(keras.optimizers.Adam())
+    with pytest.raises(ValueError, match="bucket_cap_mb=0"):
+        sync_windows(AdamAccumulate(accum_iters=2), bucket_cap_mb=0)
+    assert not dist.is_initialized()
+    optimizer = AdamAccumulate(accum_iters=2)
+    with pytest.raises(ValueError, match="init_process_group"):
+        sync_windows(optimizer)
+    assert not hasattr(optimizer, "_accum_window_sync")

@@ -116,6 +116,12 @@ class Accumulation:
         """`totals / count`."""
         return [ops.divide(t, ops.cast(count, t.dtype)) for t in totals]
 
+    def _accum_store_means(self, sums, means):
+        """The window's means, to hand to the parent's update; a backend
+        may keep them in `sums` (the accumulator variables), which the
+        window leaves dead (see `_accum_end_window`)."""
+        return means
+
     def _accum_end_window(self):
         """Starts a new window: the counter and the total weight are
         zeroed; the sums are left for the next window's first micro-step to

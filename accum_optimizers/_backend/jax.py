@@ -50,3 +50,12 @@ class JaxAccumulation(Accumulation):
         )
         for variable, value in zip(state, values):
             variable.assign(value)
+
+    def _accum_store_means(self, sums, means):
+        # Inside the window's loop the sums are loop-carried buffers: a
+        # mean written back into its sum's buffer takes no memory of its
+        # own, where XLA would otherwise hold every mean at once beside the
+        # sums (a second parameter-sized buffer).
+        for total, mean in zip(sums, means):
+            total.assign(mean)
+        return [total.value for total in sums]

@@ -1,5 +1,6 @@
 """torch: in-place `torch._foreach_*` adds, and sums zeroed at the window's
-end (eager torch has no fused select to make overwriting cheaper)."""
+end (eager torch has no fused select to make overwriting cheaper); under
+`torch_distributed.sync_windows`, one bucketed all-reduce per window."""
 
 import torch
 
@@ -24,6 +25,25 @@ class TorchAccumulation(Accumulation):
             torch._foreach_add_(targets, sources, alpha=alpha)
 
     @torch.no_grad()
+    def _accum_reduce_window(self, sums, total_weight):
+        sync = getattr(self, "_accum_window_sync", None)
+        if sync is None:
+            return sums, total_weight
+        # Each rank's sums are of its own micro-batches' mean gradients,
+        # each micro-batch weighing 1 (or its `weight`): the global mean is
+        # the ranks' summed sums over their summed weights. In place: the
+        # sums and the weight are the window's own, dead after it.
+        tensors = list(sums) + [total_weight]
+        for bucket in _buckets(tensors, sync.bucket_bytes):
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            torch.distributed.all_reduce(flat, group=sync.process_group)
+            views = torch.split(flat, [t.numel() for t in bucket])
+            torch._foreach_copy_(
+                bucket, [v.view_as(t) for v, t in zip(views, bucket)]
+            )
+        return sums, total_weight
+
+    @torch.no_grad()
     def _accum_window_mean(self, totals, count):
         # In place: `totals` are the sums, which `_accum_end_window` zeroes
         # next; new tensors would cost an allocation per variable.
@@ -38,3 +58,22 @@ class TorchAccumulation(Accumulation):
             self._accum_total_weight,
         ]
         torch._foreach_zero_([variable.value for variable in variables])
+
+
+def _buckets(tensors, bucket_bytes):
+    """`tensors` in consecutive groups of one dtype and device, each of at
+    most `bucket_bytes` (or one tensor, where a tensor is larger)."""
+    bucket, size = [], 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and (
+            size + nbytes > bucket_bytes
+            or tensor.dtype != bucket[0].dtype
+            or tensor.device != bucket[0].device
+        ):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(tensor)
+        size += nbytes
+    if bucket:
+        yield bucket

@@ -1,0 +1,379 @@
+"""Peak memory of one train step, against the bound: one command.
+
+    python -m benchmarks.memory [--modes jax tensorflow-xla tensorflow torch]
+                                [--workloads mlp transformer] [--smoke]
+                                [--mlp-width 2048] [--mlp-depth 5]
+                                [--mlp-batch 256] [--transformer-batch 32]
+                                [--out benchmarks/results/memory]
+
+The bound: an accumulating optimizer holds the parent optimizer's own state
+plus one float32 sum per parameter, and nothing else at any moment of the
+step. For every backend mode (one process each) and workload, four
+configurations of Adam are measured: the parent at the micro-batch `b`,
+ours (`AdamAccumulate(accum_iters=4)`) at `b`, Keras' built-in
+`gradient_accumulation_steps=4` at `b`, and the parent at `4b` (the batch
+that did not fit). The report gives `extra / sums`: the peak over the
+parent's at `b`, in units of the sums' bytes (the bound is 1.00).
+
+What each mode measures (what the backend offers):
+
+- `jax`: XLA's memory analysis of Keras' compiled train step, state donated
+  as `fit` does: arguments + outputs - aliased + temporaries.
+- `tensorflow-xla`: TensorFlow gives the HLO of the train step under
+  `tf.function(jit_compile=True)` (`experimental_get_compiler_ir`) but no
+  memory analysis of it; that HLO is compiled by jaxlib's XLA (for the
+  CPU) and analysed as for JAX.
+- `tensorflow`: without XLA the graph runs op by op and nothing analyses
+  its memory: on a GPU the allocator's peak over a warm step
+  (`tf.config.experimental.get_memory_info`), on the CPU only the
+  optimizer's state is counted.
+- `torch`: on CUDA the allocator's peak (`torch.cuda.max_memory_allocated`)
+  over a warm step; torch's CPU allocator keeps no statistics, so on the
+  CPU only the optimizer's state is counted.
+
+A counted row reports the optimizer's variables, the state the bound is
+about; a step's transient buffers are not in it.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODES = {
+    "jax": "jax",
+    "tensorflow-xla": "tensorflow",
+    "tensorflow": "tensorflow",
+    "torch": "torch",
+}
+CONFIGS = ["parent", "ours_k4", "keras_builtin_k4", "parent_4b"]
+K = 4
+# `--smoke`: workload sizes for the tests (seconds); flags still override.
+SMOKE = {
+    "mlp_width": 256,
+    "mlp_depth": 2,
+    "mlp_input": 128,
+    "mlp_batch": 32,
+    "transformer_batch": 8,
+    "transformer_sequence": 32,
+    "transformer_width": 32,
+}
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--modes", nargs="+", default=list(MODES))
+    parser.add_argument(
+        "--workloads", nargs="+", default=["mlp", "transformer"]
+    )
+    parser.add_argument("--configs", nargs="+", default=CONFIGS)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--mlp-width", type=int, default=2048)
+    parser.add_argument("--mlp-depth", type=int, default=5)
+    parser.add_argument("--mlp-input", type=int, default=1024)
+    parser.add_argument("--mlp-batch", type=int, default=256)
+    parser.add_argument("--transformer-batch", type=int, default=32)
+    parser.add_argument("--transformer-sequence", type=int, default=128)
+    parser.add_argument("--transformer-width", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    if parser.parse_args(argv).smoke:
+        parser.set_defaults(**SMOKE)
+    return parser.parse_args(argv)
+
+
+# -- The worker (one backend, in its own process) --------------------------
+
+
+def build_model(workload, args):
+    import keras
+    from keras import layers
+
+    keras.utils.set_random_seed(0)
+    if workload == "mlp":
+        model = keras.Sequential([keras.Input((args.mlp_input,))])
+        for _ in range(args.mlp_depth):
+            model.add(layers.Dense(args.mlp_width, activation="relu"))
+        model.add(layers.Dense(10))
+        return model
+    sequence, width = args.transformer_sequence, args.transformer_width
+    tokens = keras.Input((sequence,), dtype="int32")
+    x = layers.Embedding(1000, width)(tokens)
+    for _ in range(2):
+        attended = layers.MultiHeadAttention(4, width // 4)(x, x)
+        x = layers.LayerNormalization()(x + attended)
+        hidden = layers.Dense(4 * width, activation="gelu")(x)
+        x = layers.LayerNormalization()(x + layers.Dense(width)(hidden))
+    outputs = layers.Dense(10)(layers.GlobalAveragePooling1D()(x))
+    return keras.Model(tokens, outputs)
+
+
+def batch_of(workload, args, size):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    if workload == "mlp":
+        x = rng.normal(size=(size, args.mlp_input)).astype("float32")
+    else:
+        shape = (size, args.transformer_sequence)
+        x = rng.integers(0, 1000, size=shape).astype("int32")
+    return x, rng.integers(0, 10, size=(size,)).astype("int32")
+
+
+def make_optimizer(config):
+    import keras
+
+    from accum_optimizers import AdamAccumulate
+
+    if config == "ours_k4":
+        return AdamAccumulate(accum_iters=K)
+    if config == "keras_builtin_k4":
+        return keras.optimizers.Adam(gradient_accumulation_steps=K)
+    return keras.optimizers.Adam()
+
+
+def nbytes(variables):
+    import numpy as np
+
+    return int(
+        sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in variables)
+    )
+
+
+def compiled_model(workload, config, args, jit_compile):
+    import keras
+
+    model = build_model(workload, args)
+    model.compile(
+        optimizer=make_optimizer(config),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=jit_compile,
+    )
+    micro_batch = getattr(args, f"{workload}_batch")
+    size = micro_batch * (K if config == "parent_4b" else 1)
+    x, y = batch_of(workload, args, size)
+    # Builds the layers and the optimizer without running a step (the
+    # metrics' variables exist from `compile`).
+    model(x[:1])
+    model.optimizer.build(model.trainable_variables)
+    return model, (x, y)
+
+
+def jax_peak(model, data):
+    """Peak bytes of Keras' train step compiled as `fit` compiles it."""
+    import jax
+
+    state = (
+        [v.value for v in model.trainable_variables],
+        [v.value for v in model.non_trainable_variables],
+        [v.value for v in model.optimizer.variables],
+        [v.value for v in model.metrics_variables],
+    )
+    step = jax.jit(model.train_step, donate_argnums=0)
+    analysis = step.lower(state, data).compile().memory_analysis()
+    return int(
+        analysis.argument_size_in_bytes
+        + analysis.output_size_in_bytes
+        - analysis.alias_size_in_bytes
+        + analysis.temp_size_in_bytes
+    )
+
+
+def torch_peak(model, data):
+    """Allocator peak over a warm step on CUDA; `None` on the CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    model.train_on_batch(*data)  # warm: the allocator's cache is filled
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    model.train_on_batch(*data)
+    torch.cuda.synchronize()
+    return int(torch.cuda.max_memory_allocated())
+
+
+def tensorflow_peak(model, data):
+    """Allocator peak over a warm step on a GPU; `None` on the CPU."""
+    import tensorflow as tf
+
+    if not tf.config.list_physical_devices("GPU"):
+        return None
+    model.train_on_batch(*data)  # warm: traced and compiled
+    tf.config.experimental.reset_memory_stats("GPU:0")
+    model.train_on_batch(*data)
+    return int(tf.config.experimental.get_memory_info("GPU:0")["peak"])
+
+
+def tensorflow_xla_peak(model, data):
+    """Peak bytes of the train step under `tf.function(jit_compile=True)`.
+
+    TensorFlow gives the step's HLO but no memory analysis of it: the HLO
+    (whose resource variables TensorFlow aliases to their updated values)
+    is compiled by the XLA in jaxlib, for this host, and measured as for
+    JAX. Another build of XLA than TensorFlow's own, on the same program.
+    """
+    import jax
+    import jax.extend
+    import tensorflow as tf
+
+    # jaxlib's private converter and compiler entry points (a benchmark's
+    # use, not the package's): the only public route from HLO to XLA's
+    # memory analysis.
+    from jax._src.interpreters import mlir
+    from jax._src.lib import xla_client
+    from jax._src.lib.mlir import ir
+
+    @tf.function(jit_compile=True)
+    def step(x, y):
+        return model.train_step((x, y))
+
+    data = [tf.constant(d) for d in data]
+    hlo = step.experimental_get_compiler_ir(*data)(stage="hlo_serialized")
+    with mlir.make_ir_context():
+        module = str(
+            ir.Module.parse(xla_client._xla.mlir.hlo_to_stablehlo(hlo))
+        )
+    backend = jax.extend.backend.get_backend("cpu")
+    devices = xla_client.DeviceList(tuple(jax.devices("cpu")[:1]))
+    compiled = backend.compile_and_load(
+        module, devices, xla_client.CompileOptions()
+    )
+    stats = compiled.get_compiled_memory_stats()
+    return int(
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        - stats.alias_size_in_bytes
+        + stats.temp_size_in_bytes
+    )
+
+
+def measure(mode, workload, config, args):
+    jit_compile = mode != "tensorflow"
+    model, data = compiled_model(workload, config, args, jit_compile)
+    peak = {
+        "jax": jax_peak,
+        "torch": torch_peak,
+        "tensorflow": tensorflow_peak,
+        "tensorflow-xla": tensorflow_xla_peak,
+    }[mode](model, data)
+    return {
+        "mode": mode,
+        "workload": workload,
+        "config": config,
+        "peak_bytes": peak,
+        "state_bytes": nbytes(model.optimizer.variables),
+        # One float32 sum per trainable parameter.
+        "sums_bytes": nbytes(model.trainable_variables),
+    }
+
+
+def worker(args):
+    for workload in args.workloads:
+        for config in args.configs:
+            record = measure(args.worker, workload, config, args)
+            print(json.dumps(record), flush=True)
+
+
+# -- The report --------------------------------------------------------------
+
+
+def run_mode(mode, argv):
+    env = dict(os.environ, KERAS_BACKEND=MODES[mode], TF_CPP_MIN_LOG_LEVEL="3")
+    command = [sys.executable, "-m", "benchmarks.memory", "--worker", mode]
+    result = subprocess.run(
+        command + argv, cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    records = [
+        json.loads(line)
+        for line in result.stdout.splitlines()
+        if line.startswith("{")
+    ]
+    if result.returncode:
+        records.append({"mode": mode, "error": result.stderr[-2000:]})
+    return records
+
+
+def mib(count):
+    return "n/a" if count is None else f"{count / 2**20:.1f}"
+
+
+def table(records):
+    """Markdown: per mode and workload, each configuration's peak (or
+    state) and `extra / sums` against the parent at `b`."""
+    lines = [
+        "| mode | workload | measured | sums MiB | parent b MiB | ours k=4 "
+        "extra/sums | Keras k=4 extra/sums | parent 4b extra/sums |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    groups = {}
+    for record in records:
+        if "error" in record:
+            lines.append(f"| {record['mode']} | error | | | | | | |")
+            continue
+        groups.setdefault((record["mode"], record["workload"]), {})[
+            record["config"]
+        ] = record
+    for (mode, workload), configs in groups.items():
+        peaks = all(r["peak_bytes"] is not None for r in configs.values())
+        key = "peak_bytes" if peaks else "state_bytes"
+        sums = configs["parent"]["sums_bytes"]
+        base = configs["parent"][key]
+        ratios = {
+            config: f"{(configs[config][key] - base) / sums:.2f}"
+            if config in configs
+            else "n/a"
+            for config in ("ours_k4", "keras_builtin_k4", "parent_4b")
+        }
+        if not peaks:  # a larger batch holds no more state
+            ratios["parent_4b"] = "n/a"
+        lines.append(
+            f"| {mode} | {workload} | {'peak' if peaks else 'state only'} "
+            f"| {mib(sums)} | {mib(base)} | {ratios['ours_k4']} "
+            f"| {ratios['keras_builtin_k4']} | {ratios['parent_4b']} |"
+        )
+    return "\n".join(lines)
+
+
+def worker_arguments(args):
+    """The command line of a worker: every option but `--modes`, `--out`."""
+    passed = ["--workloads", *args.workloads, "--configs", *args.configs]
+    for name in (
+        "mlp_width",
+        "mlp_depth",
+        "mlp_input",
+        "mlp_batch",
+        "transformer_batch",
+        "transformer_sequence",
+        "transformer_width",
+    ):
+        passed += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return passed
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
+    if args.worker:
+        return worker(args)
+    passed = worker_arguments(args)
+    records = []
+    for mode in args.modes:
+        records += run_mode(mode, passed)
+    markdown = table(records)
+    print(markdown)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "memory.json").write_text(json.dumps(records, indent=1))
+        (args.out / "memory.md").write_text(markdown + "\n")
+    failed = [r for r in records if "error" in r]
+    for record in failed:
+        print(f"{record['mode']} failed:\n{record['error']}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

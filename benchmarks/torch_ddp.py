@@ -1,0 +1,213 @@
+"""torch DDP: gradients exchanged every micro-step, or once per window.
+
+    python -m benchmarks.torch_ddp [--ranks 2] [--accum-iters 4]
+                                   [--micro-batch 32] [--windows 6]
+                                   [--repeats 5] [--width 1024] [--smoke]
+
+Starts `--ranks` CPU processes (gloo over 127.0.0.1), each training the
+same Keras MLP (256-width-width-10) wrapped in `DistributedDataParallel`,
+with `AdamAccumulate(accum_iters=k)` in a custom loop, two ways, side by
+side, interleaved over `--repeats` rounds:
+
+- `every_step`: plain DDP, which all-reduces the gradients in every
+  `backward` (k exchanges per window);
+- `per_window`: every backward under `ddp.no_sync()`, and the optimizer
+  under `accum_optimizers.torch_distributed.sync_windows` (one exchange per
+  window, at its close).
+
+Prints, for each, the median micro-batch samples/s over all ranks and the
+all-reduce calls per window, and the ratio. On one machine's CPU the
+exchange is cheap (shared memory); between machines it is the network.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WAYS = ("every_step", "per_window")
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--accum-iters", type=int, default=4)
+    parser.add_argument("--micro-batch", type=int, default=32)
+    parser.add_argument("--windows", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument(
+        "--rank", type=int, default=None, help=argparse.SUPPRESS
+    )
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.windows, args.repeats, args.width = 1, 1, 64
+    return args
+
+
+def rank_main(args):
+    import contextlib
+
+    import keras
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    from accum_optimizers import AdamAccumulate
+    from accum_optimizers.torch_distributed import sync_windows
+
+    dist.init_process_group(
+        "gloo", init_method="env://", timeout=datetime.timedelta(seconds=300)
+    )
+    calls = {"all_reduce": 0, "backward": 0}
+
+    def counting_hook(state, bucket):
+        # DDP's default exchange (sum / world size), counted.
+        calls["backward"] += 1
+        return default_hooks.allreduce_hook(None, bucket)
+
+    original = dist.all_reduce
+
+    def counted(*arguments, **kwargs):
+        calls["all_reduce"] += 1
+        return original(*arguments, **kwargs)
+
+    dist.all_reduce = counted
+    rng = np.random.default_rng(args.rank)
+    steps = args.windows * args.accum_iters
+    x = torch.from_numpy(
+        rng.normal(size=(steps, args.micro_batch, 256)).astype("float32")
+    )
+    y = torch.from_numpy(rng.integers(0, 10, size=(steps, args.micro_batch)))
+    loss_fn = torch.nn.CrossEntropyLoss()
+    runs = {}
+    for way in WAYS:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [
+                keras.Input((256,)),
+                keras.layers.Dense(args.width, activation="relu"),
+                keras.layers.Dense(args.width, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
+        ddp = DistributedDataParallel(model)
+        ddp.register_comm_hook(None, counting_hook)
+        optimizer = AdamAccumulate(accum_iters=args.accum_iters)
+        if way == "per_window":
+            sync_windows(optimizer)
+        runs[way] = (model, ddp, optimizer, [])
+
+    def train(way):
+        model, ddp, optimizer, _ = runs[way]
+        variables = model.trainable_variables
+        quiet = ddp.no_sync if way == "per_window" else contextlib.nullcontext
+        for step in range(steps):
+            with quiet():
+                loss_fn(ddp(x[step]), y[step]).backward()
+            with torch.no_grad():
+                optimizer.apply([v.value.grad for v in variables], variables)
+            model.zero_grad()
+
+    for way in WAYS:  # warm-up (also builds the optimizers)
+        train(way)
+    counts = {}
+    for round_index in range(args.repeats):
+        order = WAYS if round_index % 2 == 0 else WAYS[::-1]
+        for way in order:
+            dist.barrier()
+            before = dict(calls)
+            start = time.perf_counter()
+            train(way)
+            seconds = time.perf_counter() - start
+            counts[way] = {k: calls[k] - before[k] for k in calls}
+            runs[way][3].append(steps * args.micro_batch * args.ranks / seconds)
+    result = {
+        way: {
+            "samples_per_s": statistics.median(runs[way][3]),
+            "all_reduces_per_window": counts[way]["all_reduce"] / args.windows,
+            "backward_all_reduces_per_window": counts[way]["backward"]
+            / args.windows,
+        }
+        for way in WAYS
+    }
+    dist.all_reduce = original
+    gathered = [None] * args.ranks
+    dist.all_gather_object(gathered, result)
+    if args.rank == 0:
+        print(json.dumps(gathered))
+    dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
+    if args.rank is not None:
+        return rank_main(args)
+    port = free_port()
+    processes = []
+    for rank in range(args.ranks):
+        env = dict(
+            os.environ,
+            KERAS_BACKEND="torch",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(args.ranks),
+            OMP_NUM_THREADS="1",
+            TF_CPP_MIN_LOG_LEVEL="3",
+        )
+        command = [sys.executable, "-m", "benchmarks.torch_ddp", *argv]
+        processes.append(
+            subprocess.Popen(
+                command + ["--rank", str(rank)],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
+                text=True,
+            )
+        )
+    out, _ = processes[0].communicate()
+    for process in processes[1:]:
+        process.wait()
+    if any(p.returncode for p in processes):
+        print("a rank failed", file=sys.stderr)
+        return 1
+    ranks = json.loads(out.splitlines()[-1])
+    print(
+        "| way | samples/s (median, slowest rank) | all-reduces per window "
+        "| of them in backward (DDP) |"
+    )
+    print("|---|---|---|---|")
+    rates = {}
+    for way in WAYS:
+        rates[way] = min(r[way]["samples_per_s"] for r in ranks)
+        counted = ranks[0][way]
+        print(
+            f"| {way} | {rates[way]:.0f} "
+            f"| {counted['all_reduces_per_window']:.0f} "
+            f"| {counted['backward_all_reduces_per_window']:.0f} |"
+        )
+    ratio = rates["per_window"] / rates["every_step"]
+    print(f"\nper_window / every_step: {ratio:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
