@@ -355,7 +355,7 @@ class GradientAccumulation(BackendAccumulation):
             for v in self._trainable_variables
         ]
         summed = [i for i, over in enumerate(overwrite) if not over]
-        with keras.name_scope(self.name, caller=self):
+        with keras.name_scope(self.name, caller=self), self._accum_after(grads):
             total_weight = self._accum_total_weight
             total_weight.assign(
                 ops.add(

@@ -366,14 +366,6 @@ def test_val_loss_is_computed_after_the_flush():
     _assert_close(ours.get_weights(), parent.get_weights())
 
 
-@pytest.mark.xfail(
-    BACKEND == "tensorflow",
-    strict=True,
-    reason="TensorFlow graph: the train step that meets the end of data "
-    "of unknown length raises after adding a micro-step to the window "
-    "(its counters do not wait for the data); the flush then divides by "
-    "one micro-batch too many. Lead's `_backend/tensorflow.py`.",
-)
 def test_val_loss_after_the_flush_with_steps_of_unknown_length():
     ours, parent, history, _, (vx, vy) = _val_pair(
         [FlushAccumulation()], dataset=True

@@ -27,6 +27,12 @@ class Accumulation:
         compiled function is being traced (restoring state in `build`)."""
         return contextlib.nullcontext()
 
+    def _accum_after(self, grads):
+        """Context in which the call's state changes run only once `grads`
+        (one gradient or `None` per variable) exist: in a graph, a step
+        that fails to produce its data must change no counter."""
+        return contextlib.nullcontext()
+
     def _accum_micro_step(
         self, sums, grads, new_window, update_switch, apply_window, weight=None
     ):

@@ -58,6 +58,17 @@ class TFAccumulation(Accumulation):
     def _accum_outside_compiled_code(self):
         return tf.init_scope()
 
+    def _accum_after(self, grads):
+        if tf.executing_eagerly():
+            return super()._accum_after(grads)
+        # Every gradient depends on the step's data: one suffices, and the
+        # last variable's is the first the backward pass computes, so the
+        # counters wait the least.
+        last = next(g for g in reversed(grads) if g is not None)
+        if isinstance(last, tf.IndexedSlices):
+            last = last.values
+        return tf.control_dependencies([last])
+
     def _accum_micro_step(
         self, sums, grads, new_window, update_switch, apply_window, weight=None
     ):
