@@ -9,6 +9,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
+from helpers import assert_all_close
 from helpers import regression_data
 from helpers import sequence_data
 from helpers import sequence_model
@@ -27,8 +28,7 @@ BACKEND = keras.backend.backend()
 
 
 def _assert_close(actual, expected, rtol=1e-5, atol=2e-6):
-    for a, e in zip(actual, expected):
-        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol)
+    assert_all_close(actual, expected, rtol=rtol, atol=atol)
 
 
 def _fit(model, x, y, batch_size, epochs=2, callbacks=(), **kwargs):
