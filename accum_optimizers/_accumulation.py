@@ -556,8 +556,11 @@ class GradientAccumulation(BackendAccumulation):
             if seen[i] and variable.trainable
         ]
         totals = {i: self._accum_sums[i].value for i in chosen}
-        finite = all(
-            np.isfinite(ops.convert_to_numpy(t)).all() for t in totals.values()
+        finite = self._accum_finite_everywhere(
+            all(
+                np.isfinite(ops.convert_to_numpy(t)).all()
+                for t in totals.values()
+            )
         )
         if not finite:
             warnings.warn(

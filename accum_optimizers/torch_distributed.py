@@ -41,11 +41,9 @@ def sync_windows(optimizer, process_group=None, bucket_cap_mb=25):
     backward passes under `ddp.no_sync()` (all of them, the window's last
     one too), or on the bare model. Every rank must close its windows
     together (the same `accum_iters`, and `flush` called on every rank at
-    once), because the all-reduce is collective; `flush` judges its window
-    finite on each rank's own sums, so a rank whose window holds a
-    non-finite gradient discards it while the others wait in the
-    all-reduce (stop every rank, as `TerminateOnNaN` does). Start every
-    rank from the same weights (DDP broadcasts rank 0's when it wraps the
+    once), because the all-reduce is collective; `flush` discards the
+    window on every rank when any rank's holds a non-finite gradient. Start
+    every rank from the same weights (DDP broadcasts rank 0's when it wraps the
     model).
 
     Args:

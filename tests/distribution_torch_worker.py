@@ -123,6 +123,39 @@ def train(case, rank, x, y, windows=False):
     return results
 
 
+def flush_partial_windows(rank, x, y):
+    """`flush` under `sync_windows`: a partial window of 2 micro-steps
+    (keys `flush_*`), then one whose micro-batch on rank 1 is NaN (keys
+    `flush_nan_*`: every rank must discard it, none left waiting)."""
+    model = small_model(0)
+    optimizer = sync_windows(SGDAccumulate(learning_rate=0.1, accum_iters=K))
+    variables = model.trainable_variables
+    results = {}
+    for name, steps, poisoned in (("flush", 2, False), ("flush_nan", 1, True)):
+        for step in range(steps):
+            lo = step * GLOBAL_MICRO + rank * B
+            xb = torch.from_numpy(x[lo : lo + B])
+            yb = torch.from_numpy(y[lo : lo + B])
+            loss = torch.mean(torch.square(model(xb) - yb))
+            if poisoned and rank == 1:
+                loss = loss * float("nan")
+            loss.backward()
+            grads = [v.value.grad for v in variables]
+            with torch.no_grad():
+                optimizer.apply(grads, variables)
+            model.zero_grad()
+        optimizer.flush()
+        for i, w in enumerate(model.get_weights()):
+            results[f"{name}_w{i}"] = w
+        results[f"{name}_iterations"] = int(
+            keras.ops.convert_to_numpy(optimizer.iterations)
+        )
+        results[f"{name}_micro_steps"] = int(
+            keras.ops.convert_to_numpy(optimizer.micro_steps)
+        )
+    return results
+
+
 def main(out):
     assert keras.backend.backend() == "torch"
     rank = int(os.environ["RANK"])
@@ -136,6 +169,7 @@ def main(out):
         for case in CASES:
             results.update(train(case, rank, x, y))
             results.update(train(case, rank, x, y, windows=True))
+        results.update(flush_partial_windows(rank, x, y))
         np.savez(Path(out) / f"rank{rank}.npz", **results)
     finally:
         dist.destroy_process_group()

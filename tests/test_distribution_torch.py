@@ -284,6 +284,49 @@ def test_sync_windows_reduces_once_per_window(ranks, case):
         assert result[f"{case}_all_reduces"] == 0
 
 
+def test_sync_windows_flush_applies_the_global_partial_window(ranks):
+    # Oracle: the parent on one process, on the 2 global micro-batches the
+    # flushed window holds.
+    from distribution_torch_worker import DATA_SEED
+    from distribution_torch_worker import GLOBAL_MICRO
+    from distribution_torch_worker import N
+    from helpers import regression_data
+    from helpers import small_model
+
+    x, y = regression_data(DATA_SEED, N)
+    model = small_model(0)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(
+        x[: 2 * GLOBAL_MICRO],
+        y[: 2 * GLOBAL_MICRO],
+        batch_size=2 * GLOBAL_MICRO,
+        shuffle=False,
+        verbose=0,
+    )
+    for result in ranks:
+        for i, weight in enumerate(model.get_weights()):
+            np.testing.assert_allclose(
+                result[f"flush_w{i}"], weight, rtol=1e-5, atol=1e-6
+            )
+        assert result["flush_iterations"] == 1
+
+
+def test_sync_windows_flush_discards_a_window_non_finite_on_one_rank(ranks):
+    # Rank 1's micro-batch is NaN: every rank discards the window (none
+    # waits in the all-reduce), and the weights stay the flushed ones.
+    chief, other = ranks
+    for result in ranks:
+        assert result["flush_nan_iterations"] == 1
+        assert result["flush_nan_micro_steps"] == 0
+        for key in result:
+            if key.startswith("flush_nan_w"):
+                flushed = result[key.replace("flush_nan_w", "flush_w")]
+                np.testing.assert_array_equal(result[key], flushed)
+    for key in chief:
+        if key.startswith("flush"):
+            np.testing.assert_array_equal(other[key], chief[key])
+
+
 def test_buckets_split_by_size_and_dtype():
     import torch
 

@@ -122,6 +122,11 @@ class Accumulation:
         """`totals / count`."""
         return [ops.divide(t, ops.cast(count, t.dtype)) for t in totals]
 
+    def _accum_finite_everywhere(self, finite):
+        """Whether every process's pending window is finite, given whether
+        this one's is (`flush` discards a window unless all are)."""
+        return finite
+
     def _accum_store_means(self, sums, means):
         """The window's means, to hand to the parent's update; a backend
         may keep them in `sums` (the accumulator variables), which the

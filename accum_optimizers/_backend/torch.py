@@ -43,6 +43,18 @@ class TorchAccumulation(Accumulation):
             )
         return sums, total_weight
 
+    def _accum_finite_everywhere(self, finite):
+        sync = getattr(self, "_accum_window_sync", None)
+        if sync is None:
+            return finite
+        # Under `sync_windows` every rank must take the same branch of
+        # `flush`: the window's all-reduce is collective.
+        flag = torch.tensor([int(finite)], dtype=torch.int32)
+        torch.distributed.all_reduce(
+            flag, op=torch.distributed.ReduceOp.MIN, group=sync.process_group
+        )
+        return bool(flag.item())
+
     @torch.no_grad()
     def _accum_window_mean(self, totals, count):
         # In place: `totals` are the sums, which `_accum_end_window` zeroes
