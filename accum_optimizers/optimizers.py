@@ -21,10 +21,7 @@ _PACKAGE = "accum_optimizers"
 # One class per parent: calling `accumulating` twice returns the same class.
 _CLASSES = {}
 
-_NOT_ACCUMULABLE = (
-    keras.optimizers.LossScaleOptimizer,
-    keras.optimizers.MultiOptimizer,
-)
+_NOT_ACCUMULABLE = _keras_private.wrapper_optimizer_classes()
 
 _ACCUMULATION_ARGS = """\
     accum_iters: Integer >= 1. Number of micro-batches (`apply` calls)
@@ -195,7 +192,10 @@ def _parent_docstring(optimizer_class):
     return text.replace("{{base_optimizer_keyword_args}}", _BASE_ARGS)
 
 
-# Every optimizer Keras 3.15 ships.
+# An accumulating class for every optimizer the installed Keras ships. Those
+# that every supported Keras has are declared by name; those Keras added
+# later (`_keras_private.OPTIMIZERS_ADDED_IN`), or that a newer Keras ships,
+# exist only where the installed Keras has their parent.
 AdadeltaAccumulate = accumulating(keras.optimizers.Adadelta)
 AdafactorAccumulate = accumulating(keras.optimizers.Adafactor)
 AdagradAccumulate = accumulating(keras.optimizers.Adagrad)
@@ -209,4 +209,29 @@ MuonAccumulate = accumulating(keras.optimizers.Muon)
 NadamAccumulate = accumulating(keras.optimizers.Nadam)
 RMSpropAccumulate = accumulating(keras.optimizers.RMSprop)
 SGDAccumulate = accumulating(keras.optimizers.SGD)
-ScheduleFreeAdamWAccumulate = accumulating(keras.optimizers.ScheduleFreeAdamW)
+
+# `{"AdamAccumulate": AdamAccumulate, ...}`: every accumulating class made
+# here, one per optimizer the installed Keras ships.
+OPTIMIZER_CLASSES = {
+    f"{name}Accumulate": accumulating(parent)
+    for name, parent in _keras_private.keras_optimizer_classes().items()
+}
+globals().update(OPTIMIZER_CLASSES)
+
+# Optimizers Keras added after the oldest supported release that the
+# installed Keras lacks: `{"ScheduleFreeAdamWAccumulate": "ScheduleFreeAdamW"}`.
+MISSING_OPTIMIZER_CLASSES = {
+    f"{name}Accumulate": name
+    for name in _keras_private.OPTIMIZERS_ADDED_IN
+    if name not in _keras_private.keras_optimizer_classes()
+}
+
+
+def __getattr__(name):
+    if name in MISSING_OPTIMIZER_CLASSES:
+        raise AttributeError(
+            _keras_private.missing_optimizer_message(
+                MISSING_OPTIMIZER_CLASSES[name]
+            )
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

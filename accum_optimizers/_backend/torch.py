@@ -3,6 +3,7 @@ end (eager torch has no fused select to make overwriting cheaper)."""
 
 import torch
 
+from accum_optimizers import _keras_private
 from accum_optimizers._backend.base import Accumulation
 
 
@@ -21,14 +22,14 @@ class TorchAccumulation(Accumulation):
             for (_, grad), target in zip(pairs, targets)
         ]
         if targets:
-            torch._foreach_add_(targets, sources, alpha=alpha)
+            _keras_private.torch_foreach_add_(targets, sources, alpha=alpha)
 
     @torch.no_grad()
     def _accum_window_mean(self, totals, count):
         # In place: `totals` are the sums, which `_accum_end_window` zeroes
         # next; new tensors would cost an allocation per variable.
         if totals:
-            torch._foreach_div_(totals, count)
+            _keras_private.torch_foreach_div_(totals, count)
         return totals
 
     @torch.no_grad()
@@ -37,4 +38,6 @@ class TorchAccumulation(Accumulation):
             self._accum_micro_steps,
             self._accum_extra_weight,
         ]
-        torch._foreach_zero_([variable.value for variable in variables])
+        _keras_private.torch_foreach_zero_(
+            [variable.value for variable in variables]
+        )
