@@ -46,7 +46,9 @@ Attributes and methods of `keras.layers.BatchNormalization` used by
 `AccumBatchNormalization` (`layers.py`), which replaces the moving-statistics
 update of its training branch: `_reduction_axes`, `_moments(inputs, mask)`,
 and for `renorm=True` `_renorm_correction_and_moments`,
-`_compose_transforms` and `_update_renorm_statistics`.
+`_compose_transforms` and `_update_renorm_statistics`. Batch renormalization
+arrived in Keras 3.14 (3.13.2 has no `renorm`): read it with
+`batch_norm_renorm(layer)`.
 
 Loss internals used by `weigh_micro_batches` (`weighting.py`): see
 `LOSS_MODULE_FUNCTIONS` below.
@@ -200,6 +202,12 @@ def variable_layout(variable):
     """The `keras.distribution` layout of `variable` (`None` without one,
     or for a variable that is not a `keras.Variable`)."""
     return getattr(variable, "_layout", None)
+
+
+def batch_norm_renorm(layer):
+    """Whether a `BatchNormalization` layer uses batch renormalization
+    (`False` on Keras < 3.14, which has none)."""
+    return bool(getattr(layer, "renorm", False))
 
 
 def is_jax_tracer(value):
