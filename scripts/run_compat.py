@@ -15,7 +15,8 @@ skips the check). The leg then runs the core of the suite (`CORE` below:
 exactness against the big batch, every optimizer, saving and resuming,
 reliability, weighted windows, schedules, the private Keras APIs and the
 supported versions) with `scripts/run_tests.py` on its backend, its output
-in `<venvs>/<leg>.log`. `<venvs>` defaults to `.venv-compat/` in the
+in `<venvs>/<leg>.log`, with hypothesis' `compat` profile (4
+derandomized examples; `HYPOTHESIS_PROFILE` overrides it). `<venvs>` defaults to `.venv-compat/` in the
 checkout (ignored by git). Legs run `--jobs` at a time. One line per
 leg, then the total: `compat: N passed, N failed, N skipped`.
 """
@@ -115,6 +116,7 @@ def run_leg(leg, venvs, install_only=False):
         log.write(f"$ {' '.join(map(str, command))}\n")
         log.flush()
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+        env.setdefault("HYPOTHESIS_PROFILE", "compat")
         env.pop("KERAS_BACKEND", None)
         output = subprocess.run(
             command,
