@@ -31,6 +31,7 @@ from accum_optimizers.optimizers import NadamAccumulate  # noqa: E402
 from accum_optimizers.optimizers import RMSpropAccumulate  # noqa: E402
 from accum_optimizers.optimizers import SGDAccumulate  # noqa: E402
 from accum_optimizers.optimizers import accumulating  # noqa: E402
+from accum_optimizers.saving import load_training_state  # noqa: E402
 from accum_optimizers.weighting import weigh_micro_batches  # noqa: E402
 
 # One class per optimizer the installed Keras ships: those above, and
@@ -58,6 +59,7 @@ __all__ = [
     "RMSpropAccumulate",
     "SGDAccumulate",
     "accumulating",
+    "load_training_state",
     "weigh_micro_batches",
 ]
 __all__ += sorted(set(_optimizers.OPTIMIZER_CLASSES) - set(__all__))

@@ -38,7 +38,9 @@ _ACCUMULATION_ARGS = """\
         warns. Defaults to `None`."""
 
 
-def accumulating(optimizer_class):
+def accumulating(
+    optimizer_class: type[keras.optimizers.Optimizer],
+) -> type[keras.optimizers.Optimizer]:
     """Returns the accumulating subclass of a Keras optimizer class.
 
     The class is named `<Name>Accumulate`, registered as Keras-serializable
@@ -147,6 +149,7 @@ def _docstring(optimizer_class):
     if parent.startswith("keras.src.optimizers."):
         parent = f"keras.optimizers.{optimizer_class.__name__}"
     name = optimizer_class.__name__
+    parent_args, parent_rest = _split_args(_parent_docstring(optimizer_class))
     return (
         f"{name} that updates the weights once per `accum_iters` "
         "micro-batches.\n\n"
@@ -155,18 +158,37 @@ def _docstring(optimizer_class):
         f"update, so `accum_iters` micro-batches of size `b` train exactly "
         f"like one batch of size `accum_iters * b`. `iterations` counts "
         "applied updates, so learning-rate schedules, EMA and bias "
-        "corrections see the big batch's step numbers.\n\n"
+        "corrections see the big batch's step numbers. It takes every "
+        f"argument of `{parent}`, positionally in its order or by name, "
+        "plus the keyword-only `accum_iters` and `accumulator_dtype`.\n\n"
         "```python\n"
         f"model.compile(optimizer={name}Accumulate(accum_iters=4), ...)\n"
         "model.fit(x, y, batch_size=16)  # trains like batch_size=64\n"
         "```\n\n"
-        f"Args:\n"
-        f"    *args, **kwargs: every argument of `{parent}`, positionally in "
-        "its order or by name, as documented there (and below).\n"
+        "Args:\n"
+        f"{parent_args}"
         f"{_ACCUMULATION_ARGS.format(parent=parent)}\n\n"
         f"`{parent}`'s documentation:\n\n"
-        f"{_parent_docstring(optimizer_class)}\n"
+        f"{parent_rest}\n"
     )
+
+
+def _split_args(text):
+    """`(args, rest)`: the lines of a Google-style docstring's `Args:`
+    section (indented, each ending in a newline) and the docstring without
+    that section."""
+    lines = text.splitlines()
+    if "Args:" not in lines:
+        return "", text
+    start = lines.index("Args:")
+    end = start + 1
+    while end < len(lines) and (
+        not lines[end].strip() or lines[end].startswith(" ")
+    ):
+        end += 1
+    args = [line for line in lines[start + 1 : end] if line.strip()]
+    rest = lines[:start] + lines[end:]
+    return "".join(f"{line}\n" for line in args), "\n".join(rest).strip()
 
 
 _BASE_ARGS = """\
