@@ -8,7 +8,14 @@ exactly as their Keras parent would on a `k` times larger batch.
 
 import sys as _sys
 
-from accum_optimizers import _keras_private
+# `python -m accum_optimizers.demo` imports this package first: quiet
+# TensorFlow's start-up logs, and answer `--help` without importing Keras.
+if _sys.orig_argv[1:3] == ["-m", "accum_optimizers.demo"]:
+    from accum_optimizers import _demo_cli
+
+    _demo_cli.before_keras(_sys.orig_argv[3:])
+
+from accum_optimizers import _keras_private  # noqa: E402
 
 # Before anything else touches Keras: a clear error for an unsupported one.
 _keras_private.check_keras_version()
