@@ -42,7 +42,7 @@ from accum_optimizers.saving import load_training_state  # noqa: E402
 from accum_optimizers.weighting import weigh_micro_batches  # noqa: E402
 
 # One class per optimizer the installed Keras ships: those above, and
-# `ScheduleFreeAdamWAccumulate` (Keras >= 3.15) or any optimizer a newer Keras
+# `ScheduleFreeAdamWAccumulate` (Keras >= 3.14) or any optimizer a newer Keras
 # adds.
 globals().update(_optimizers.OPTIMIZER_CLASSES)
 

@@ -74,7 +74,7 @@ SUPPORTED_KERAS = "Keras >= 3.10, < 4 (and keras-nightly 3.x)"
 
 # Optimizers (and optimizer wrappers) that Keras added after 3.10, the
 # oldest supported release, with the release that added each.
-OPTIMIZERS_ADDED_IN = {"ScheduleFreeAdamW": "3.15.0"}
+OPTIMIZERS_ADDED_IN = {"ScheduleFreeAdamW": "3.14.0"}
 
 # Optimizers that wrap other optimizers, where the installed Keras has them
 # (`MultiOptimizer` arrived in 3.15.0).

@@ -100,7 +100,7 @@ def test_pyproject_accepts_every_supported_keras():
 
 
 def test_an_optimizer_keras_lacks_is_missing_and_names_the_keras_adding_it():
-    # Keras 3.10-3.14 lack ScheduleFreeAdamW: remove it from any Keras.
+    # Keras 3.10-3.13 lack ScheduleFreeAdamW: remove it from any Keras.
     result = _python(
         """
         import keras
@@ -125,7 +125,7 @@ def test_an_optimizer_keras_lacks_is_missing_and_names_the_keras_adding_it():
     assert lines[:2] == ["False", "False"]
     for kind, line in zip(["AttributeError", "ImportError"], lines[2:]):
         assert line.startswith(f"{kind}: `ScheduleFreeAdamWAccumulate`")
-        assert "Keras added in 3.15.0" in line
+        assert "Keras added in 3.14.0" in line
         assert f"the installed Keras is {keras.version()}" in line
 
 
