@@ -2,10 +2,11 @@
 
 A Keras upgrade is one review of this list; `tests/test_keras_private.py`
 exercises the behaviour we rely on for each entry, not only its name.
-Every entry was checked on Keras 3.10.0, 3.13.2, 3.15.1 and keras-nightly
-3.16.0.dev2026102704 (the compatibility legs of `.ci/run`); where versions
-differ, the difference is handled here and nowhere else (the "Versions"
-section below).
+Every entry was checked on Keras 3.10.0, 3.13.2 (TensorFlow 2.20, torch),
+3.15.1 and keras-nightly 3.16.0.dev2026102704 (`.ci/run` and its
+compatibility legs), and by hand on 3.11.3, 3.12.4 and 3.14.1 (JAX); where
+versions differ, the difference is handled here and nowhere else (the
+"Versions" section below).
 
 Attributes and methods of `keras.optimizers.Optimizer` used by the mixin
 (`_accumulation.py`) and the backend classes (`_backend/`):
