@@ -6,15 +6,21 @@ exactly as their Keras parent would on a `k` times larger batch.
 `accumulating(cls)` makes the same of any Keras optimizer class.
 """
 
-import os as _os
 import sys as _sys
 
-# `python -m accum_optimizers.demo` imports this package, and so TensorFlow,
-# before the demo's first line: quiet TensorFlow's C++ start-up logs here,
-# for the demo only (a user's own process keeps its settings).
+# `python -m accum_optimizers.demo` imports this package first: quiet
+# TensorFlow's start-up logs, and answer `--help` without importing Keras.
 if _sys.orig_argv[1:3] == ["-m", "accum_optimizers.demo"]:
-    _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    from accum_optimizers import _demo_cli
 
+    _demo_cli.before_keras(_sys.orig_argv[3:])
+
+from accum_optimizers import _keras_private  # noqa: E402
+
+# Before anything else touches Keras: a clear error for an unsupported one.
+_keras_private.check_keras_version()
+
+from accum_optimizers import optimizers as _optimizers  # noqa: E402
 from accum_optimizers.callbacks import AccumulationLogger  # noqa: E402
 from accum_optimizers.callbacks import FlushAccumulation  # noqa: E402
 from accum_optimizers.layers import AccumBatchNormalization  # noqa: E402
@@ -30,10 +36,15 @@ from accum_optimizers.optimizers import LionAccumulate  # noqa: E402
 from accum_optimizers.optimizers import MuonAccumulate  # noqa: E402
 from accum_optimizers.optimizers import NadamAccumulate  # noqa: E402
 from accum_optimizers.optimizers import RMSpropAccumulate  # noqa: E402
-from accum_optimizers.optimizers import ScheduleFreeAdamWAccumulate  # noqa: E402
 from accum_optimizers.optimizers import SGDAccumulate  # noqa: E402
 from accum_optimizers.optimizers import accumulating  # noqa: E402
+from accum_optimizers.saving import load_training_state  # noqa: E402
 from accum_optimizers.weighting import weigh_micro_batches  # noqa: E402
+
+# One class per optimizer the installed Keras ships: those above, and
+# `ScheduleFreeAdamWAccumulate` (Keras >= 3.14) or any optimizer a newer Keras
+# adds.
+globals().update(_optimizers.OPTIMIZER_CLASSES)
 
 __version__ = "0.2.0.dev0"
 
@@ -54,7 +65,51 @@ __all__ = [
     "NadamAccumulate",
     "RMSpropAccumulate",
     "SGDAccumulate",
-    "ScheduleFreeAdamWAccumulate",
     "accumulating",
+    "load_training_state",
     "weigh_micro_batches",
 ]
+__all__ += sorted(set(_optimizers.OPTIMIZER_CLASSES) - set(__all__))
+
+
+def __getattr__(name):
+    # `accum_optimizers.ScheduleFreeAdamWAccumulate` on a Keras without
+    # `ScheduleFreeAdamW`: say which Keras added it.
+    if name in _optimizers.MISSING_OPTIMIZER_CLASSES:
+        raise AttributeError(
+            _keras_private.missing_optimizer_message(
+                _optimizers.MISSING_OPTIMIZER_CLASSES[name]
+            )
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _MissingOptimizerFinder:
+    """Gives `from accum_optimizers import ScheduleFreeAdamWAccumulate` the
+    same message as the attribute, on a Keras without its parent.
+
+    For a name a package lacks, `from package import name` first tries to
+    import a submodule `package.name`, and reports its `ImportError` as it
+    is (any `AttributeError` from `__getattr__` becomes a generic "cannot
+    import name"). This finder, last on `sys.meta_path`, answers only for
+    those missing names.
+    """
+
+    @staticmethod
+    def find_spec(fullname, path=None, target=None):
+        package, _, name = fullname.rpartition(".")
+        if (
+            package == __name__
+            and name in _optimizers.MISSING_OPTIMIZER_CLASSES
+        ):
+            raise ImportError(
+                _keras_private.missing_optimizer_message(
+                    _optimizers.MISSING_OPTIMIZER_CLASSES[name]
+                ),
+                name=fullname,
+            )
+        return None
+
+
+if _optimizers.MISSING_OPTIMIZER_CLASSES:
+    _sys.meta_path.append(_MissingOptimizerFinder)

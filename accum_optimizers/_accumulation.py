@@ -50,6 +50,7 @@ from keras import backend
 from keras import config as keras_config
 from keras import ops
 
+from accum_optimizers import _keras_private
 from accum_optimizers import schedules
 from accum_optimizers._backend import BackendAccumulation
 from accum_optimizers._restore import WINDOW_STATE
@@ -228,7 +229,7 @@ class GradientAccumulation(BackendAccumulation):
                     trainable=False,
                     aggregation=aggregation,
                     synchronization="on_read",
-                    layout=getattr(reference, "_layout", None),
+                    layout=_keras_private.variable_layout(reference),
                     name=name,
                 )
         self._track_variable(variable)

@@ -1,7 +1,12 @@
-"""Every private Keras (and TensorFlow) API this package relies on.
+"""Every private Keras (and backend) API this package relies on.
 
 A Keras upgrade is one review of this list; `tests/test_keras_private.py`
-checks that each of them still exists.
+exercises the behaviour we rely on for each entry, not only its name.
+Every entry was checked on Keras 3.10.0, 3.13.2 (TensorFlow 2.20, torch),
+3.15.1 and keras-nightly 3.16.0.dev2026102704 (`.ci/run` and its
+compatibility legs), and by hand on 3.11.3, 3.12.4 and 3.14.1 (JAX); where
+versions differ, the difference is handled here and nowhere else (the
+"Versions" section below).
 
 Attributes and methods of `keras.optimizers.Optimizer` used by the mixin
 (`_accumulation.py`) and the backend classes (`_backend/`):
@@ -20,21 +25,150 @@ Attributes and methods of `keras.optimizers.Optimizer` used by the mixin
 - torch: `TorchOptimizer.__new__` swaps in the fused
   (`torch._foreach_*`) variant of a Keras optimizer (`fused_class`).
 
-TensorFlow internals: `control_flow_util.GraphOrParentsInXlaContext` and
-`tf.__internal__.distribute.strategy_supports_no_merge_call`.
+Behaviour of Keras' optimizers and trainers that the mixin relies on:
+
+- `stateless_apply` (JAX, torch) runs the update by calling `self.apply`
+  inside a `StatelessScope`, so the accumulating `apply` runs there too.
+- `fit`'s train step calls `optimizer.scale_loss(loss)` and then
+  `optimizer.apply(...)` for the same micro-batch, on the same thread
+  (`weigh_micro_batches` hands the weight from one to the other).
+
+`keras.Variable._layout`: the `keras.distribution` layout of a variable
+(`None` without one), which the window's sums copy from their variable
+(`variable_layout`).
+
+Backend internals: TensorFlow's `control_flow_util.GraphOrParentsInXlaContext`
+and `tf.__internal__.distribute.strategy_supports_no_merge_call`;
+`jax.core.Tracer` (`is_jax_tracer`); torch's in-place
+`torch._foreach_add_`, `_foreach_div_`, `_foreach_zero_` and
+`_foreach_copy_` (`TORCH_FOREACH_FUNCTIONS`).
 
 Attributes and methods of `keras.layers.BatchNormalization` used by
 `AccumBatchNormalization` (`layers.py`), which replaces the moving-statistics
 update of its training branch: `_reduction_axes`, `_moments(inputs, mask)`,
 and for `renorm=True` `_renorm_correction_and_moments`,
-`_compose_transforms` and `_update_renorm_statistics`.
+`_compose_transforms` and `_update_renorm_statistics`. Batch renormalization
+arrived in Keras 3.14 (3.13.2 has no `renorm`): read it with
+`batch_norm_renorm(layer)`.
 
 Loss internals used by `weigh_micro_batches` (`weighting.py`): see
 `LOSS_MODULE_FUNCTIONS` below.
+
+Versions: `check_keras_version` refuses a Keras older than 3.10 (3.9 lacks
+`keras.Variable(synchronization=...)`), Keras 2, and `tf.keras` routed to
+Keras 2 by `TF_USE_LEGACY_KERAS`. Optimizers Keras added after 3.10 are in
+`OPTIMIZERS_ADDED_IN`; `keras_optimizer_classes()` is the optimizers the
+installed Keras ships, `wrapper_optimizer_classes()` its wrappers.
 """
 
 import contextlib
+import os
+import re
 import threading
+
+import keras
+
+# -- Versions ------------------------------------------------------------------
+
+MINIMUM_KERAS = (3, 10)
+SUPPORTED_KERAS = "Keras >= 3.10, < 4 (and keras-nightly 3.x)"
+
+# Optimizers (and optimizer wrappers) that Keras added after 3.10, the
+# oldest supported release, with the release that added each.
+OPTIMIZERS_ADDED_IN = {"ScheduleFreeAdamW": "3.14.0"}
+
+# Optimizers that wrap other optimizers, where the installed Keras has them
+# (`MultiOptimizer` arrived in 3.15.0).
+_WRAPPER_NAMES = ("LossScaleOptimizer", "MultiOptimizer")
+
+
+def keras_version():
+    """The installed Keras' version string (`keras.version()`)."""
+    version = getattr(keras, "version", None)
+    return version() if callable(version) else str(keras.__version__)
+
+
+def _release(version):
+    """`"3.16.0.dev2026102704"` -> `(3, 16, 0)`."""
+    match = re.match(r"(\d+)(?:\.(\d+))?(?:\.(\d+))?", version)
+    if match is None:
+        return ()
+    return tuple(int(number) for number in match.groups() if number)
+
+
+def check_keras_version():
+    """Raises `ImportError` unless the Keras that `import keras` gives is a
+    supported Keras 3, and `tf.keras` is not routed to Keras 2."""
+    version = keras_version()
+    release = _release(version)
+    if release < MINIMUM_KERAS or release[:1] != (3,):
+        raise ImportError(
+            f"accum_optimizers supports {SUPPORTED_KERAS}; the installed "
+            f"Keras is {version}. Install a supported one, e.g. "
+            "`pip install -U 'keras>=3.10'`."
+        )
+    legacy = os.environ.get("TF_USE_LEGACY_KERAS", "")
+    if legacy in ("true", "True", "1"):
+        raise ImportError(
+            f"TF_USE_LEGACY_KERAS={legacy} makes `tf.keras` Keras 2 "
+            f"(tf_keras{_distribution_version('tf_keras')}), and "
+            f"accum_optimizers supports {SUPPORTED_KERAS}, not Keras 2. The "
+            f"installed Keras 3 is {version}: unset TF_USE_LEGACY_KERAS and "
+            "build models with `keras` (not `tf.keras`)."
+        )
+
+
+def _distribution_version(name):
+    from importlib import metadata
+
+    try:
+        return f" {metadata.version(name)}"
+    except metadata.PackageNotFoundError:
+        return ", not installed"
+
+
+def keras_optimizer_classes():
+    """`{name: class}` of the optimizers `keras.optimizers` exports, wrappers
+    (`LossScaleOptimizer`, `MultiOptimizer`) and the base class left out."""
+    wrappers = wrapper_optimizer_classes()
+    classes = {}
+    for name, value in vars(keras.optimizers).items():
+        if (
+            isinstance(value, type)
+            and issubclass(value, keras.optimizers.Optimizer)
+            and value is not keras.optimizers.Optimizer
+            and not issubclass(value, wrappers)
+        ):
+            classes[name] = value
+    return dict(sorted(classes.items()))
+
+
+def is_multi_optimizer(optimizer):
+    """Whether `optimizer` is a `keras.optimizers.MultiOptimizer` (False
+    where the installed Keras has none)."""
+    multi = getattr(keras.optimizers, "MultiOptimizer", None)
+    return multi is not None and isinstance(optimizer, multi)
+
+
+def wrapper_optimizer_classes():
+    """The optimizer wrappers the installed Keras has, as a tuple."""
+    return tuple(
+        getattr(keras.optimizers, name)
+        for name in _WRAPPER_NAMES
+        if hasattr(keras.optimizers, name)
+    )
+
+
+def missing_optimizer_message(name):
+    """Why `<name>Accumulate` is missing: `name`, a Keras optimizer, was
+    added after the installed Keras."""
+    return (
+        f"`{name}Accumulate` needs `keras.optimizers.{name}`, which Keras "
+        f"added in {OPTIMIZERS_ADDED_IN[name]}; the installed Keras is "
+        f"{keras_version()}. Upgrade Keras (`pip install -U "
+        f"'keras>={OPTIMIZERS_ADDED_IN[name]}'`) to use it."
+    )
+
 
 OPTIMIZER_ATTRIBUTES = (
     "_iterations",
@@ -52,6 +186,7 @@ TENSORFLOW_OPTIMIZER_ATTRIBUTES = (
 )
 
 BATCH_NORMALIZATION_ATTRIBUTES = (
+    "_reduction_axes",
     "_moments",
     "_renorm_correction_and_moments",
     "_compose_transforms",
@@ -69,6 +204,63 @@ def fused_class(optimizer_class):
     returns `optimizer_class`.
     """
     return type(optimizer_class.__new__(optimizer_class))
+
+
+def variable_layout(variable):
+    """The `keras.distribution` layout of `variable` (`None` without one,
+    or for a variable that is not a `keras.Variable`)."""
+    return getattr(variable, "_layout", None)
+
+
+def batch_norm_renorm(layer):
+    """Whether a `BatchNormalization` layer uses batch renormalization
+    (`False` on Keras < 3.14, which has none)."""
+    return bool(getattr(layer, "renorm", False))
+
+
+def is_jax_tracer(value):
+    """Whether `value` is a JAX tracer (inside `jax.jit`, a loop body...)."""
+    import jax
+
+    return isinstance(value, jax.core.Tracer)
+
+
+# torch's in-place multi-tensor kernels, which Keras' fused torch optimizers
+# use too: one call for every variable instead of a loop.
+TORCH_FOREACH_FUNCTIONS = (
+    "_foreach_add_",
+    "_foreach_div_",
+    "_foreach_zero_",
+    "_foreach_copy_",
+)
+
+
+def torch_foreach_add_(targets, sources, alpha=1):
+    """`targets[i] += alpha * sources[i]`, in place (torch tensors)."""
+    import torch
+
+    torch._foreach_add_(targets, sources, alpha=alpha)
+
+
+def torch_foreach_div_(tensors, divisor):
+    """`tensors[i] /= divisor`, in place (a number or a scalar tensor)."""
+    import torch
+
+    torch._foreach_div_(tensors, divisor)
+
+
+def torch_foreach_zero_(tensors):
+    """`tensors[i] = 0`, in place."""
+    import torch
+
+    torch._foreach_zero_(tensors)
+
+
+def torch_foreach_copy_(targets, sources):
+    """`targets[i][...] = sources[i]`, in place."""
+    import torch
+
+    torch._foreach_copy_(targets, sources)
 
 
 def in_xla_context():

@@ -20,12 +20,12 @@ distance after every update of the big-batch run.
                                     [--seed 0] [--plot demo.png]
 """
 
-import os
+from accum_optimizers import _demo_cli
 
-# Before TensorFlow loads: its C++ logs (CPU features, XLA) are noise here.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# Before TensorFlow loads (`python -m accum_optimizers.demo` did this in the
+# package's `__init__`): its C++ start-up logs are noise here.
+_demo_cli.quiet_tensorflow()
 
-import argparse  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from dataclasses import field  # noqa: E402
@@ -37,10 +37,11 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 from accum_optimizers import AdamAccumulate  # noqa: E402
+from accum_optimizers._demo_cli import DIGITS  # noqa: E402
+from accum_optimizers._demo_cli import TRAIN_IMAGES  # noqa: E402
+from accum_optimizers._demo_cli import parse_args  # noqa: E402
 
 LEARNING_RATE = 5e-3
-DIGITS = 1797  # images in scikit-learn's digits
-TRAIN_IMAGES = 1440  # the rest is the test set
 
 
 @dataclass
@@ -329,67 +330,6 @@ def plot(runs: Sequence[Run], accum_iters: int, path: str) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m accum_optimizers.demo",
-        description=(
-            "Trains a digits classifier with Adam at batch k*b, "
-            "AdamAccumulate(accum_iters=k) at batch b, Adam at batch b and "
-            "Keras' built-in gradient_accumulation_steps=k at batch b, and "
-            "shows how far each ends from the big-batch run."
-        ),
-    )
-    parser.add_argument(
-        "--accum-iters",
-        type=_positive_int,
-        default=4,
-        metavar="K",
-        help="micro-batches per update, k (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--micro-batch",
-        type=_positive_int,
-        default=16,
-        metavar="B",
-        help="micro-batch size b; the big batch is k*b (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--epochs",
-        type=_positive_int,
-        default=10,
-        help="passes over the training images (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--train-images",
-        type=_positive_int,
-        default=TRAIN_IMAGES,
-        metavar="N",
-        help="training images, rounded down to whole big batches; the rest "
-        f"of the {DIGITS} digits is the test set (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="seed of the initial weights, shared by every run "
-        "(default: %(default)s)",
-    )
-    parser.add_argument(
-        "--plot",
-        metavar="PATH",
-        help="also write a PNG of the loss curves and of each run's distance "
-        "to the big-batch run after every update (needs matplotlib)",
-    )
-    return parser.parse_args(argv)
 
 
 def _quiet_python_logs() -> None:

@@ -134,7 +134,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         beta = ops.cast(self.beta, compute_dtype) if self.center else None
 
         mean, variance = self._moments(inputs, mask)
-        if self.renorm:
+        if _keras_private.batch_norm_renorm(self):
             r, d, mean, variance = self._renorm_correction_and_moments(
                 mean, variance
             )
@@ -209,7 +209,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
 
     def _move_statistics(self, last, mean, variance):
         """BatchNormalization's update with `mean, variance` where `last`."""
-        if self.renorm:
+        if _keras_private.batch_norm_renorm(self):
             # Keras' renorm update, kept only on the window's last call.
             names = [
                 "moving_mean",

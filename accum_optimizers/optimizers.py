@@ -21,10 +21,7 @@ _PACKAGE = "accum_optimizers"
 # One class per parent: calling `accumulating` twice returns the same class.
 _CLASSES = {}
 
-_NOT_ACCUMULABLE = (
-    keras.optimizers.LossScaleOptimizer,
-    keras.optimizers.MultiOptimizer,
-)
+_NOT_ACCUMULABLE = _keras_private.wrapper_optimizer_classes()
 
 _ACCUMULATION_ARGS = """\
     accum_iters: Integer >= 1. Number of micro-batches (`apply` calls)
@@ -41,7 +38,9 @@ _ACCUMULATION_ARGS = """\
         warns. Defaults to `None`."""
 
 
-def accumulating(optimizer_class):
+def accumulating(
+    optimizer_class: type[keras.optimizers.Optimizer],
+) -> type[keras.optimizers.Optimizer]:
     """Returns the accumulating subclass of a Keras optimizer class.
 
     The class is named `<Name>Accumulate`, registered as Keras-serializable
@@ -150,6 +149,7 @@ def _docstring(optimizer_class):
     if parent.startswith("keras.src.optimizers."):
         parent = f"keras.optimizers.{optimizer_class.__name__}"
     name = optimizer_class.__name__
+    parent_args, parent_rest = _split_args(_parent_docstring(optimizer_class))
     return (
         f"{name} that updates the weights once per `accum_iters` "
         "micro-batches.\n\n"
@@ -158,18 +158,37 @@ def _docstring(optimizer_class):
         f"update, so `accum_iters` micro-batches of size `b` train exactly "
         f"like one batch of size `accum_iters * b`. `iterations` counts "
         "applied updates, so learning-rate schedules, EMA and bias "
-        "corrections see the big batch's step numbers.\n\n"
+        "corrections see the big batch's step numbers. It takes every "
+        f"argument of `{parent}`, positionally in its order or by name, "
+        "plus the keyword-only `accum_iters` and `accumulator_dtype`.\n\n"
         "```python\n"
         f"model.compile(optimizer={name}Accumulate(accum_iters=4), ...)\n"
         "model.fit(x, y, batch_size=16)  # trains like batch_size=64\n"
         "```\n\n"
-        f"Args:\n"
-        f"    *args, **kwargs: every argument of `{parent}`, positionally in "
-        "its order or by name, as documented there (and below).\n"
+        "Args:\n"
+        f"{parent_args}"
         f"{_ACCUMULATION_ARGS.format(parent=parent)}\n\n"
         f"`{parent}`'s documentation:\n\n"
-        f"{_parent_docstring(optimizer_class)}\n"
+        f"{parent_rest}\n"
     )
+
+
+def _split_args(text):
+    """`(args, rest)`: the lines of a Google-style docstring's `Args:`
+    section (indented, each ending in a newline) and the docstring without
+    that section."""
+    lines = text.splitlines()
+    if "Args:" not in lines:
+        return "", text
+    start = lines.index("Args:")
+    end = start + 1
+    while end < len(lines) and (
+        not lines[end].strip() or lines[end].startswith(" ")
+    ):
+        end += 1
+    args = [line for line in lines[start + 1 : end] if line.strip()]
+    rest = lines[:start] + lines[end:]
+    return "".join(f"{line}\n" for line in args), "\n".join(rest).strip()
 
 
 _BASE_ARGS = """\
@@ -195,7 +214,10 @@ def _parent_docstring(optimizer_class):
     return text.replace("{{base_optimizer_keyword_args}}", _BASE_ARGS)
 
 
-# Every optimizer Keras 3.15 ships.
+# An accumulating class for every optimizer the installed Keras ships. Those
+# that every supported Keras has are declared by name; those Keras added
+# later (`_keras_private.OPTIMIZERS_ADDED_IN`), or that a newer Keras ships,
+# exist only where the installed Keras has their parent.
 AdadeltaAccumulate = accumulating(keras.optimizers.Adadelta)
 AdafactorAccumulate = accumulating(keras.optimizers.Adafactor)
 AdagradAccumulate = accumulating(keras.optimizers.Adagrad)
@@ -209,4 +231,29 @@ MuonAccumulate = accumulating(keras.optimizers.Muon)
 NadamAccumulate = accumulating(keras.optimizers.Nadam)
 RMSpropAccumulate = accumulating(keras.optimizers.RMSprop)
 SGDAccumulate = accumulating(keras.optimizers.SGD)
-ScheduleFreeAdamWAccumulate = accumulating(keras.optimizers.ScheduleFreeAdamW)
+
+# `{"AdamAccumulate": AdamAccumulate, ...}`: every accumulating class made
+# here, one per optimizer the installed Keras ships.
+OPTIMIZER_CLASSES = {
+    f"{name}Accumulate": accumulating(parent)
+    for name, parent in _keras_private.keras_optimizer_classes().items()
+}
+globals().update(OPTIMIZER_CLASSES)
+
+# Optimizers Keras added after the oldest supported release that the
+# installed Keras lacks: `{"ScheduleFreeAdamWAccumulate": "ScheduleFreeAdamW"}`.
+MISSING_OPTIMIZER_CLASSES = {
+    f"{name}Accumulate": name
+    for name in _keras_private.OPTIMIZERS_ADDED_IN
+    if name not in _keras_private.keras_optimizer_classes()
+}
+
+
+def __getattr__(name):
+    if name in MISSING_OPTIMIZER_CLASSES:
+        raise AttributeError(
+            _keras_private.missing_optimizer_message(
+                MISSING_OPTIMIZER_CLASSES[name]
+            )
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

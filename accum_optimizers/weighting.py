@@ -117,7 +117,7 @@ def accumulating_optimizers(optimizer):
     """
     while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer
-    if isinstance(optimizer, keras.optimizers.MultiOptimizer):
+    if _keras_private.is_multi_optimizer(optimizer):
         inner = optimizer.optimizers
     else:
         inner = [optimizer]
@@ -140,7 +140,7 @@ def count_updates_in_multi_optimizer(optimizer, sync=True):
         sync: Boolean. Also set `iterations` now (eagerly). Defaults to
             `True`.
     """
-    if not isinstance(optimizer, keras.optimizers.MultiOptimizer):
+    if not _keras_private.is_multi_optimizer(optimizer):
         return
     inner = optimizer.optimizers
     accumulating = accumulating_optimizers(optimizer)

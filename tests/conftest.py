@@ -14,6 +14,16 @@ settings.register_profile(
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
+# The compatibility legs (scripts/run_compat.py): the suite's core on other
+# Keras versions, in a few minutes each.
+settings.register_profile(
+    "compat",
+    max_examples=4,
+    derandomize=True,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 settings.register_profile(
     "thorough",
     max_examples=200,

@@ -6,8 +6,12 @@ backend's other tests check against the big batch.
 """
 
 import contextlib
+import importlib.util
 import io
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -121,3 +125,55 @@ def test_test_runner_reports_a_missing_backend_as_skipped_and_fails(
     assert "MISSING BACKENDS: torch" in out
     assert "tests: 0 passed, 0 failed, 0 skipped" in out
     assert run_tests.main(["--backends", "torch", "--allow-missing"]) == 0
+
+
+def _clean_env(**extra):
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS")
+    }
+    return dict(env, **extra)
+
+
+def test_demo_help_answers_without_importing_keras(tmp_path):
+    # A `keras` that cannot be imported: `--help` must not need it.
+    (tmp_path / "keras").mkdir()
+    (tmp_path / "keras" / "__init__.py").write_text(
+        "raise ImportError('--help imported Keras')\n"
+    )
+    pythonpath = os.pathsep.join([str(tmp_path), str(ROOT)])
+    result = subprocess.run(
+        [sys.executable, "-m", "accum_optimizers.demo", "--help"],
+        cwd=tmp_path,
+        env=_clean_env(PYTHONPATH=pythonpath),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "--accum-iters" in result.stdout
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("tensorflow") is None,
+    reason="TensorFlow not installed",
+)
+def test_demo_hides_tensorflow_start_up_lines():
+    code = (
+        "from accum_optimizers import _demo_cli\n"
+        "_demo_cli.quiet_tensorflow()\n"
+        "import tensorflow as tf\n"
+        "tf.constant(1.0) + 1\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "oneDNN" not in result.stderr
+    assert "InitializeLog" not in result.stderr

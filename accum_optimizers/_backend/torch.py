@@ -4,6 +4,7 @@ end (eager torch has no fused select to make overwriting cheaper); under
 
 import torch
 
+from accum_optimizers import _keras_private
 from accum_optimizers._backend.base import Accumulation
 
 
@@ -22,7 +23,7 @@ class TorchAccumulation(Accumulation):
             for (_, grad), target in zip(pairs, targets)
         ]
         if targets:
-            torch._foreach_add_(targets, sources, alpha=alpha)
+            _keras_private.torch_foreach_add_(targets, sources, alpha=alpha)
 
     @torch.no_grad()
     def _accum_reduce_window(self, sums, total_weight):
@@ -38,7 +39,7 @@ class TorchAccumulation(Accumulation):
             flat = torch.cat([t.reshape(-1) for t in bucket])
             torch.distributed.all_reduce(flat, group=sync.process_group)
             views = torch.split(flat, [t.numel() for t in bucket])
-            torch._foreach_copy_(
+            _keras_private.torch_foreach_copy_(
                 bucket, [v.view_as(t) for v, t in zip(views, bucket)]
             )
         return sums, total_weight
@@ -60,7 +61,7 @@ class TorchAccumulation(Accumulation):
         # In place: `totals` are the sums, which `_accum_end_window` zeroes
         # next; new tensors would cost an allocation per variable.
         if totals:
-            torch._foreach_div_(totals, count)
+            _keras_private.torch_foreach_div_(totals, count)
         return totals
 
     @torch.no_grad()
@@ -69,7 +70,9 @@ class TorchAccumulation(Accumulation):
             self._accum_micro_steps,
             self._accum_total_weight,
         ]
-        torch._foreach_zero_([variable.value for variable in variables])
+        _keras_private.torch_foreach_zero_(
+            [variable.value for variable in variables]
+        )
 
 
 def _buckets(tensors, bucket_bytes):
