@@ -65,6 +65,25 @@ from accum_optimizers._validation import validate_weight
 
 _LOW_PRECISION_DTYPES = ("float16", "bfloat16")
 
+# The accumulation arguments, documented once: for `GradientAccumulation`
+# and for every class `accumulating` makes (`parent` names the parent).
+ACCUMULATION_ARGS = """\
+    accum_iters: Integer >= 1, dict or `AccumSchedule`. Number of
+        micro-batches (`apply` calls) whose gradients are averaged into
+        one update. A dict `{{update: k}}` (first key `0`) or an
+        `AccumSchedule` makes it a function of applied updates (see
+        `accum_optimizers.schedules`). Defaults to `1`, which behaves
+        exactly like {parent}.
+    accumulator_dtype: Dtype of the gradient sums: `"float16"`,
+        `"bfloat16"`, `"float32"` or `"float64"`. Defaults to `None`:
+        `"float32"` for `float16`/`bfloat16` variables, the variable's own
+        dtype otherwise. float16 sums refuse weighted windows.
+    lr: Deprecated Keras 2 alias of `learning_rate`; warns. Passing both is
+        an error.
+    decay: Deprecated Keras 2 time decay (`learning_rate /
+        (1 + decay * iterations)`, `iterations` counting applied updates);
+        warns. Defaults to `None`."""
+
 
 class GradientAccumulation(BackendAccumulation):
     """Mixin that makes a Keras optimizer accumulate gradients.
@@ -75,20 +94,7 @@ class GradientAccumulation(BackendAccumulation):
 
     Args:
         *args: the parent optimizer's positional arguments, in its order.
-        accum_iters: Integer >= 1, dict or `AccumSchedule`. Number of
-            micro-batches (`apply` calls) whose gradients are averaged into
-            one update. A dict `{update: k}` (first key `0`) or an
-            `AccumSchedule` makes it a function of applied updates (see
-            `accum_optimizers.schedules`). Defaults to `1`, the parent
-            optimizer unchanged.
-        accumulator_dtype: Optional dtype of the gradient sums, one of
-            `"float16"`, `"bfloat16"`, `"float32"`, `"float64"`. Defaults
-            to `None`: `"float32"` for `float16`/`bfloat16` variables, the
-            variable's own dtype otherwise.
-        lr: Deprecated Keras 2 alias of `learning_rate`.
-        decay: Deprecated Keras 2 time decay: the learning rate is divided
-            by `1 + decay * iterations`, where `iterations` counts applied
-            updates. Defaults to `None` (no decay).
+    {accumulation_args}
         **kwargs: the parent optimizer's keyword arguments.
     """
 
@@ -731,6 +737,14 @@ class GradientAccumulation(BackendAccumulation):
                 accum_iters, custom_objects=custom_objects
             )
         return super().from_config(config, custom_objects=custom_objects)
+
+
+if GradientAccumulation.__doc__:  # None under `python -OO`
+    GradientAccumulation.__doc__ = GradientAccumulation.__doc__.format(
+        accumulation_args=ACCUMULATION_ARGS.format(
+            parent="the parent optimizer"
+        ).replace("\n", "\n    ")
+    )
 
 
 class _Handoff:

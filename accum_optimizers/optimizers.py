@@ -14,6 +14,7 @@ import keras
 from keras.saving import register_keras_serializable
 
 from accum_optimizers import _keras_private
+from accum_optimizers._accumulation import ACCUMULATION_ARGS
 from accum_optimizers._accumulation import GradientAccumulation
 
 _PACKAGE = "accum_optimizers"
@@ -22,20 +23,6 @@ _PACKAGE = "accum_optimizers"
 _CLASSES = {}
 
 _NOT_ACCUMULABLE = _keras_private.wrapper_optimizer_classes()
-
-_ACCUMULATION_ARGS = """\
-    accum_iters: Integer >= 1. Number of micro-batches (`apply` calls)
-        whose gradients are averaged into one update. Defaults to `1`,
-        which behaves exactly like `{parent}`.
-    accumulator_dtype: Dtype of the gradient sums: `"float16"`,
-        `"bfloat16"`, `"float32"` or `"float64"`. Defaults to `None`:
-        `"float32"` for `float16`/`bfloat16` variables, the variable's own
-        dtype otherwise.
-    lr: Deprecated Keras 2 alias of `learning_rate`; warns. Passing both is
-        an error.
-    decay: Deprecated Keras 2 time decay (`learning_rate /
-        (1 + decay * iterations)`, `iterations` counting applied updates);
-        warns. Defaults to `None`."""
 
 
 def accumulating(
@@ -167,7 +154,7 @@ def _docstring(optimizer_class):
         "```\n\n"
         "Args:\n"
         f"{parent_args}"
-        f"{_ACCUMULATION_ARGS.format(parent=parent)}\n\n"
+        f"{ACCUMULATION_ARGS.format(parent=f'`{parent}`')}\n\n"
         f"`{parent}`'s documentation:\n\n"
         f"{parent_rest}\n"
     )
