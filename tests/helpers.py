@@ -1,7 +1,14 @@
 """What the tests share: models, data, drawn optimizer configurations, the
 comparisons (`to_numpy`, `assert_all_close`, `assert_same_weights`,
 `assert_same_state`, `largest_difference`) and the window-mean oracle
-(`parent_on_window_means`). Use these rather than local copies."""
+(`parent_on_window_means`), and the JAX multi-device worker launcher
+(`run_jax_worker`). Use these rather than local copies."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -289,3 +296,40 @@ def assert_same_state(ours, parent_model, our_model, parent_optimizer):
         atol=1e-6,
         what="optimizer variable",
     )
+
+
+def run_jax_worker(script, out_path, device_count, timeout=300):
+    """Runs `tests/<script>` in a fresh JAX process with `device_count` host
+    CPU devices (XLA fixes the device count at start-up) and this
+    checkout's package, passing it `out_path`; returns the JSON it wrote
+    there.
+
+    Args:
+        script: the worker's file name, in `tests/`.
+        out_path: where the worker writes its JSON result.
+        device_count: the number of host devices it gets.
+        timeout: seconds before the worker is killed.
+    """
+    here = Path(__file__).resolve().parent
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    env = dict(
+        os.environ,
+        KERAS_BACKEND="jax",
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=f"{xla_flags} --xla_force_host_platform_device_count="
+        f"{device_count}".strip(),
+        TF_CPP_MIN_LOG_LEVEL="3",
+        PYTHONPATH=os.pathsep.join(
+            [str(here.parent), os.environ.get("PYTHONPATH", "")]
+        ),
+    )
+    completed = subprocess.run(
+        [sys.executable, str(here / script), str(out_path)],
+        cwd=here,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return json.loads(Path(out_path).read_text())

@@ -16,10 +16,6 @@ tests judge what it wrote, each against its own oracle:
 Runs once, from the JAX test process.
 """
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +24,7 @@ from distribution_jax_worker import ACCUM_ITERS
 from distribution_jax_worker import CASES
 from distribution_jax_worker import DEVICE_COUNT
 from distribution_jax_worker import WINDOWS
+from helpers import run_jax_worker
 
 HERE = Path(__file__).resolve().parent
 
@@ -43,34 +40,9 @@ MODEL_PARALLEL_CASES = [
 def results(tmp_path_factory):
     """What the worker wrote, by case name (see distribution_jax_worker)."""
     result_path = tmp_path_factory.mktemp("distribution") / "result.json"
-    xla_flags = os.environ.get("XLA_FLAGS", "")
-    env = dict(
-        os.environ,
-        KERAS_BACKEND="jax",
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"{xla_flags} --xla_force_host_platform_device_count="
-        f"{DEVICE_COUNT}".strip(),
-        TF_CPP_MIN_LOG_LEVEL="3",
-        # This checkout's package, not an installed one.
-        PYTHONPATH=os.pathsep.join(
-            [str(HERE.parent), os.environ.get("PYTHONPATH", "")]
-        ),
+    return run_jax_worker(
+        "distribution_jax_worker.py", result_path, DEVICE_COUNT
     )
-    completed = subprocess.run(
-        [
-            sys.executable,
-            str(HERE / "distribution_jax_worker.py"),
-            str(result_path),
-        ],
-        cwd=HERE,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    with open(result_path) as result_file:
-        return json.load(result_file)
 
 
 def test_every_case_ran_distributed_against_a_single_device_oracle(

@@ -12,14 +12,11 @@ under the same distribution; these tests judge what it wrote:
   int32 and a float32 counter per device), the memory bound per device.
 """
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import run_jax_worker
 
 HERE = Path(__file__).resolve().parent
 
@@ -31,29 +28,7 @@ def result(tmp_path_factory):
     from model_parallel_jax_worker import DEVICE_COUNT
 
     path = tmp_path_factory.mktemp("model_parallel") / "result.json"
-    xla_flags = os.environ.get("XLA_FLAGS", "")
-    env = dict(
-        os.environ,
-        KERAS_BACKEND="jax",
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"{xla_flags} --xla_force_host_platform_device_count="
-        f"{DEVICE_COUNT}".strip(),
-        TF_CPP_MIN_LOG_LEVEL="3",
-        # This checkout's package, not an installed one.
-        PYTHONPATH=os.pathsep.join(
-            [str(HERE.parent), os.environ.get("PYTHONPATH", "")]
-        ),
-    )
-    completed = subprocess.run(
-        [sys.executable, str(HERE / "model_parallel_jax_worker.py"), str(path)],
-        cwd=HERE,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    return json.loads(path.read_text())
+    return run_jax_worker("model_parallel_jax_worker.py", path, DEVICE_COUNT)
 
 
 def test_model_parallel_equals_parent_on_the_big_batch(result):
