@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 from accum_optimizers import AccumBatchNormalization
 from accum_optimizers import AdamAccumulate
 from accum_optimizers import FlushAccumulation
-from accum_optimizers._keras_private import BATCH_NORMALIZATION_ATTRIBUTES
 from accum_optimizers.layers import with_accum_batch_norm
 
 MOVING = ["moving_mean", "moving_variance"]
@@ -348,14 +347,6 @@ def test_bad_accum_iters_is_refused_naming_the_value(bad, error):
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     with pytest.raises(error, match=rf"accum_iters={bad!r}"):
         with_accum_batch_norm(model, accum_iters=bad)
-
-
-def test_private_batch_normalization_api_still_exists():
-    layer = keras.layers.BatchNormalization()
-    for name in BATCH_NORMALIZATION_ATTRIBUTES:
-        assert callable(getattr(layer, name)), name
-    layer.build((None, 2, 3))
-    assert layer._reduction_axes == [0, 1]
 
 
 def test_config_round_trips_accum_iters_and_parent_options():
