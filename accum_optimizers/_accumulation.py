@@ -51,6 +51,10 @@ from keras import config as keras_config
 from keras import ops
 
 from accum_optimizers import _keras_private
+
+# `LossScaleOptimizer` around an accumulating optimizer: `weight=` and
+# weights-only resumes (patched once, on import).
+from accum_optimizers import _loss_scale  # noqa: F401
 from accum_optimizers import schedules
 from accum_optimizers._backend import BackendAccumulation
 from accum_optimizers._restore import WINDOW_STATE

@@ -71,7 +71,8 @@ def install():
         build(self, var_list)
         if pending is None or inner is None:
             return  # Saved untrained: a fresh loss scale is the saved one.
-        own = self._variables
+        inner_ids = {id(v) for v in self.inner_optimizer.variables}
+        own = [v for v in self.variables if id(v) not in inner_ids]
         saved = pending[: len(pending) - len(inner)]
         if len(saved) != len(own) or any(
             np.shape(value) != tuple(variable.shape)

@@ -20,7 +20,6 @@ import numpy as np
 from keras import ops
 
 from accum_optimizers import _keras_private
-from accum_optimizers import _loss_scale  # noqa: F401 (patches on import)
 from accum_optimizers._accumulation import GradientAccumulation
 from accum_optimizers._validation import concrete_value
 

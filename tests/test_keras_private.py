@@ -330,3 +330,58 @@ def test_fit_calls_scale_loss_then_apply_on_one_thread():
     assert events == ["scale_loss", "apply"] * 3
     pairs = zip(optimizer.events[::2], optimizer.events[1::2])
     assert all(first[1] == second[1] for first, second in pairs)
+
+
+def test_sublayers_reach_a_layer_inside_a_custom_layer():
+    class Block(keras.layers.Layer):
+        def __init__(self):
+            super().__init__()
+            self.norm = keras.layers.BatchNormalization()
+
+        def call(self, x):
+            return self.norm(x)
+
+    block = Block()
+    model = keras.Sequential([keras.Input((3,)), block])
+    found = _keras_private.sublayers(model)
+    assert any(layer is block.norm for layer in found)
+    assert any(layer is block for layer in found)
+
+
+def test_fit_reads_its_logs_after_the_last_batch_and_before_validation():
+    # `FlushAccumulation` flushes in `_get_metrics_result_or_logs`: fit must
+    # call it after an epoch's last train batch, before validation and
+    # before any `on_epoch_end`.
+    events = []
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    original = model._get_metrics_result_or_logs
+
+    def recording(logs):
+        events.append("logs")
+        return original(logs)
+
+    model._get_metrics_result_or_logs = recording
+
+    class Order(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            events.append("batch")
+
+        def on_test_begin(self, logs=None):
+            events.append("validation")
+
+        def on_epoch_end(self, epoch, logs=None):
+            events.append("epoch_end")
+
+    x = np.ones((8, 2), "float32")
+    model.fit(
+        x,
+        x[:, :1],
+        batch_size=4,
+        validation_data=(x, x[:, :1]),
+        callbacks=[Order()],
+        verbose=0,
+    )
+    first = events.index("logs")
+    assert events[:first] == ["batch", "batch"]
+    assert first < events.index("validation") < events.index("epoch_end")
