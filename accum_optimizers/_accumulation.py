@@ -55,13 +55,18 @@ from accum_optimizers import _keras_private
 # `LossScaleOptimizer` around an accumulating optimizer: `weight=` and
 # weights-only resumes (patched once, on import).
 from accum_optimizers import _loss_scale  # noqa: F401
+
+# A `MultiOptimizer` of accumulating optimizers: the loss, and one
+# finiteness check for all of them (patched once, on import).
+from accum_optimizers import _multi_optimizer  # noqa: F401
 from accum_optimizers import schedules
 from accum_optimizers._backend import BackendAccumulation
 from accum_optimizers._restore import WINDOW_STATE
 from accum_optimizers._restore import Layout
 from accum_optimizers._restore import is_empty
-from accum_optimizers._restore import micro_batches_seen
+from accum_optimizers._restore import lasting_values
 from accum_optimizers._restore import plan_restore
+from accum_optimizers._restore import saved_samples_seen
 from accum_optimizers._validation import concrete_value
 from accum_optimizers._validation import validate_accumulator_dtype
 from accum_optimizers._validation import validate_decay
@@ -78,6 +83,14 @@ ACCUMULATION_ARGS = """\
         `AccumSchedule` makes it a function of applied updates (see
         `accum_optimizers.schedules`). Defaults to `1`, which behaves
         exactly like {parent}.
+    skip_nonfinite: Boolean. Leave a micro-batch whose gradients are not
+        all finite (after a `LossScaleOptimizer` unscaled them) out of its
+        window: it adds nothing and counts in neither `micro_steps` nor
+        the window's weight, and the window closes after `accum_iters`
+        finite micro-batches. Under `tf.distribute`, `keras.distribution`
+        and `torch_distributed.sync_windows` every replica skips it when
+        any replica's gradients are not finite. `skipped_micro_batches`
+        counts them. Defaults to `False`.
     accumulator_dtype: Dtype of the gradient sums: `"float16"`,
         `"bfloat16"`, `"float32"` or `"float64"`. Defaults to `None`:
         `"float32"` for `float16`/`bfloat16` variables, the variable's own
@@ -108,6 +121,7 @@ class GradientAccumulation(BackendAccumulation):
         self,
         *args,
         accum_iters=1,
+        skip_nonfinite=False,
         accumulator_dtype=None,
         lr=None,
         decay=None,
@@ -119,6 +133,11 @@ class GradientAccumulation(BackendAccumulation):
             if isinstance(accum_iters, schedules.AccumSchedule)
             else None
         )
+        if not isinstance(skip_nonfinite, (bool, np.bool_)):
+            raise TypeError(
+                "`skip_nonfinite` must be a bool. Received: "
+                f"skip_nonfinite={skip_nonfinite!r}"
+            )
         accumulator_dtype = validate_accumulator_dtype(accumulator_dtype)
         decay = validate_decay(decay)
         arguments = self._accum_parent_arguments(args, kwargs, lr)
@@ -144,6 +163,7 @@ class GradientAccumulation(BackendAccumulation):
             accum_iters = dict(schedule.boundaries)
         # An int, a dict `{update: k}`, or an `AccumSchedule`.
         self.accum_iters = accum_iters
+        self.skip_nonfinite = bool(skip_nonfinite)
         self.accumulator_dtype = accumulator_dtype
         self.decay = decay
 
@@ -249,8 +269,24 @@ class GradientAccumulation(BackendAccumulation):
 
     @property
     def _accumulates(self):
-        """False for `accum_iters=1`: the parent optimizer unchanged."""
-        return self._accum_schedule is not None or self.accum_iters > 1
+        """False for `accum_iters=1` (the parent optimizer unchanged),
+        unless the window's state is needed anyway: to skip non-finite
+        micro-batches, or to count samples for a learning rate keyed on
+        them."""
+        return (
+            self._accum_schedule is not None
+            or self.accum_iters > 1
+            or self.skip_nonfinite
+            or schedules.keyed_on_samples(self._learning_rate)
+        )
+
+    @property
+    def _accum_min_window_size(self):
+        """The smallest window the optimizer closes."""
+        schedule = self._accum_schedule
+        if schedule is None:
+            return self.accum_iters
+        return schedule.min_accum_iters
 
     @property
     def _accum_schedule(self):
@@ -262,15 +298,33 @@ class GradientAccumulation(BackendAccumulation):
             return self.accum_iters
         return None
 
-    def _accum_window_size(self, updates=None):
+    def _accum_window_size(self, key=None):
         """`k` for the window that produces the next update: an int, or an
-        int32 tensor under a schedule. `updates` defaults to
-        `iterations`."""
-        if self._accum_schedule is None:
+        int32 tensor under a schedule. `key` is what the schedule is
+        keyed on, applied updates (or samples seen, for `by_samples`);
+        defaults to the optimizer's own count."""
+        schedule = self._accum_schedule
+        if schedule is None:
             return self.accum_iters
-        if updates is None:
-            updates = self._iterations.value
-        return ops.cast(self._accum_schedule(updates), "int32")
+        if key is None:
+            key = self._accum_schedule_key(schedule)
+        return ops.cast(schedule(key), "int32")
+
+    def _accum_schedule_key(self, schedule):
+        """The optimizer's count `schedule` is keyed on: `iterations`, or
+        `samples_seen` (float32) for `by_samples`."""
+        if not schedules.keyed_on_samples(schedule):
+            return self._iterations.value
+        return self._accum_samples()
+
+    def _accum_samples(self):
+        """`samples_seen` of a built accumulating optimizer (0 before)."""
+        if not self.built or not self._accumulates:
+            return ops.convert_to_tensor(0.0, "float32")
+        return ops.add(
+            self._accum_samples_seen.value,
+            self._accum_samples_seen_error.value,
+        )
 
     @property
     def current_accum_iters(self):
@@ -286,7 +340,7 @@ class GradientAccumulation(BackendAccumulation):
         """
         if not self._accumulates or not self.built:
             return ops.zeros((), dtype="int32")
-        return self._accum_micro_steps.value
+        return ops.convert_to_tensor(self._accum_micro_steps)
 
     @property
     def micro_batches_seen(self):
@@ -297,7 +351,47 @@ class GradientAccumulation(BackendAccumulation):
         """
         if not self._accumulates or not self.built:
             return self.iterations
-        return self._accum_micro_batches.value
+        return ops.convert_to_tensor(self._accum_micro_batches)
+
+    @property
+    def skipped_micro_batches(self):
+        """Micro-batches left out of their window because their gradients
+        were not finite (`skip_nonfinite=True`), since creation."""
+        if not self._accumulates or not self.built:
+            return ops.zeros((), dtype="int32")
+        return ops.convert_to_tensor(self._accum_skipped)
+
+    @property
+    def samples_seen(self):
+        """The total weight of the applied windows, as a float32 scalar:
+        samples (or tokens, or sample weights) when windows are weighted
+        (`weigh_micro_batches`, `apply(..., weight=)`), micro-batches
+        otherwise. `by_samples` schedules are keyed on it; a pending
+        window is not counted until it is applied."""
+        if not self._accumulates or not self.built:
+            return ops.cast(self.iterations, "float32")
+        return self._accum_samples()
+
+    @property
+    def window_loss(self):
+        """The loss of the last applied window: the mean of its
+        micro-batches' losses, weighed as their gradients are, which is the
+        big batch's loss at the window's weights. `fit` hands each
+        micro-batch's loss to the optimizer; a custom loop passes
+        `apply(..., loss=)`. NaN where a micro-batch of the window came
+        without its loss; `0` before the first update."""
+        if not self._accumulates or not self.built:
+            return ops.zeros((), dtype="float32")
+        return ops.convert_to_tensor(self._accum_window_loss)
+
+    @property
+    def window_grad_norm(self):
+        """The global norm of the last applied window's mean gradient (before
+        clipping): the big batch's gradient norm. `0` before the first
+        update."""
+        if not self._accumulates or not self.built:
+            return ops.zeros((), dtype="float32")
+        return ops.convert_to_tensor(self._accum_window_grad_norm)
 
     @property
     def last_apply_updated(self):
@@ -313,7 +407,7 @@ class GradientAccumulation(BackendAccumulation):
 
     # -- The mechanism -----------------------------------------------------
 
-    def apply(self, grads, trainable_variables=None, *, weight=None):
+    def apply(self, grads, trainable_variables=None, *, weight=None, loss=None):
         """Adds a micro-batch's gradients to the window; updates the
         weights on the window's last micro-batch.
 
@@ -332,7 +426,12 @@ class GradientAccumulation(BackendAccumulation):
                 for a replica whose share of the micro-batch is empty): the
                 weights are summed over replicas with the gradients, once
                 per window.
+            loss: Optional scalar: the micro-batch's loss (its mean, before
+                any loss scaling), for `window_loss`, weighed like the
+                gradients. `fit` passes it on its own. Defaults to `None`.
         """
+        if loss is None:
+            loss = self._accum_take_loss()
         handoff = self._accum_take_handoff()
         scaled, check = False, True
         checked = contextlib.nullcontext()
@@ -346,11 +445,12 @@ class GradientAccumulation(BackendAccumulation):
         if weight is not None and check:
             weight, checked = self._accum_checked_weight(weight)
         with checked:
-            self._accum_apply(grads, trainable_variables, weight, scaled)
+            self._accum_apply(grads, trainable_variables, weight, scaled, loss)
 
-    def _accum_apply(self, grads, trainable_variables, weight, scaled):
+    def _accum_apply(self, grads, trainable_variables, weight, scaled, loss):
         """`apply`, its weight checked; `scaled`: the gradients arrive
-        multiplied by it (see `scale_loss`)."""
+        multiplied by it (see `scale_loss`); `loss`: the micro-batch's loss
+        or `None`."""
         if not self._accumulates:
             # A window of one micro-batch: its weight cancels out.
             return super().apply(grads, trainable_variables)
@@ -367,28 +467,52 @@ class GradientAccumulation(BackendAccumulation):
         ]
         summed = [i for i, over in enumerate(overwrite) if not over]
         with keras.name_scope(self.name, caller=self), self._accum_after(grads):
-            total_weight = self._accum_total_weight
-            total_weight.assign(
+            finite = None
+            if self.skip_nonfinite:
+                finite = self._accum_finite_of_threads().pop(
+                    threading.get_ident(), None
+                )
+                if finite is None:
+                    finite = all_finite(grads)
+                finite = self._accum_agree_finite(finite)
+                if concrete_value(finite) is not None:
+                    if not bool(concrete_value(finite)):
+                        self._accum_skipped.assign(self._accum_skipped + 1)
+                        return
+                    finite = None  # Known finite: nothing to mask.
+            # In compiled code a skipped micro-batch runs the same ops,
+            # masked by `finite`, so that no branch of the step writes
+            # variables (see `_backend`).
+            weight_or_1 = 1.0 if weight is None else ops.cast(weight, "float32")
+            step = 1 if finite is None else ops.cast(finite, "int32")
+            self._accum_total_weight.assign(
                 ops.add(
-                    total_weight.value,
-                    1.0 if weight is None else ops.cast(weight, "float32"),
+                    self._accum_total_weight.value,
+                    _masked(weight_or_1, finite),
                 )
             )
+            self._accum_add_loss(loss, weight_or_1, finite)
             # The gradients to multiply by `weight`, unless `scale_loss`
             # weighed the loss already.
             grads_weight = None if scaled else weight
+            if finite is not None:
+                grads = [_masked(g, finite) for g in grads]
+                self._accum_skipped.assign(self._accum_skipped + 1 - step)
             # counter: one more micro-batch in the window.
-            micro_steps = self._accum_micro_steps + 1
+            micro_steps = self._accum_micro_steps + step
             self._accum_micro_steps.assign(micro_steps)
-            self._accum_micro_batches.assign(self._accum_micro_batches + 1)
+            self._accum_micro_batches.assign(self._accum_micro_batches + step)
             new_window = ops.equal(micro_steps, 1)
             # update_switch: the window is full.
             update_switch = ops.greater_equal(
                 micro_steps, self._accum_window_size()
             )
-            self._accum_mark_seen(has_gradient, new_window)
+            if finite is not None:
+                new_window = ops.logical_and(new_window, finite)
+                update_switch = ops.logical_and(update_switch, finite)
+            self._accum_mark_seen(has_gradient, new_window, finite)
             for i in np.flatnonzero(overwrite):
-                self._accum_keep_maximum(self._accum_sums[i], grads[i])
+                self._accum_keep_maximum(self._accum_sums[i], grads[i], finite)
             # accumulate, or add and apply on the window's last micro-step.
             self._accum_micro_step(
                 [self._accum_sums[i] for i in summed],
@@ -402,6 +526,16 @@ class GradientAccumulation(BackendAccumulation):
                 grads_weight,
             )
 
+    def _accum_add_loss(self, loss, weight, finite):
+        """`loss_sum += weight * loss`; NaN for a micro-batch without its
+        loss, so that its window reports none; nothing when skipped."""
+        if loss is None:
+            loss = float("nan")
+        weighed = ops.multiply(ops.cast(loss, "float32"), weight)
+        self._accum_loss_sum.assign(
+            ops.add(self._accum_loss_sum.value, _masked(weighed, finite))
+        )
+
     def apply_gradients(self, grads_and_vars, *, weight=None):
         """`apply` on `(gradient, variable)` pairs; see `apply` for
         `weight`. Returns `iterations`, the number of applied updates."""
@@ -410,21 +544,28 @@ class GradientAccumulation(BackendAccumulation):
         return self._iterations
 
     def stateless_apply(
-        self, optimizer_variables, grads, trainable_variables, *, weight=None
+        self,
+        optimizer_variables,
+        grads,
+        trainable_variables,
+        *,
+        weight=None,
+        loss=None,
     ):
         """Keras' `stateless_apply` (JAX and torch), with `apply`'s
-        `weight`."""
-        if weight is None:
-            return super().stateless_apply(
-                optimizer_variables, grads, trainable_variables
-            )
-        self._accum_hand_over(weight, check=True)
+        `weight` and `loss`."""
+        if loss is not None:
+            self._accum_losses_of_threads()[threading.get_ident()] = loss
+        if weight is not None:
+            self._accum_hand_over(weight, check=True)
         try:
             return super().stateless_apply(
                 optimizer_variables, grads, trainable_variables
             )
         finally:
-            self._accum_take_handoff()  # left over only if it raised early
+            # Left over only if it raised early.
+            self._accum_take_handoff()
+            self._accum_losses_of_threads().pop(threading.get_ident(), None)
 
     def _accum_check_weighable(self):
         """Refuses weights when the sums are float16: `weight * grad`
@@ -478,10 +619,43 @@ class GradientAccumulation(BackendAccumulation):
             return None
         return handoffs.pop(threading.get_ident(), None)
 
+    def _accum_note_loss(self, loss):
+        """Keeps the loss of this thread's micro-batch for its `apply`
+        (`fit` computes the loss, then applies its gradients)."""
+        if not self._accumulates or backend.backend() == "jax":
+            # On JAX `fit` differentiates the function that computes the
+            # loss: its value exists only outside (`_accum_take_loss`).
+            return
+        if backend.backend() == "torch":
+            loss = loss.detach()
+        self._accum_losses_of_threads()[threading.get_ident()] = loss
+
+    def _accum_losses_of_threads(self):
+        return self.__dict__.setdefault("_accum_losses", {})
+
+    def _accum_finite_of_threads(self):
+        """Each thread's finiteness of its micro-batch, where a wrapper
+        (`MultiOptimizer`) checked every gradient, not only this
+        optimizer's."""
+        return self.__dict__.setdefault("_accum_finite", {})
+
+    def _accum_take_loss(self):
+        """The loss `_accum_note_loss` kept for this thread, or on JAX the
+        one Keras' train step computed; `None` without one."""
+        losses = self.__dict__.get("_accum_losses")
+        if losses:
+            loss = losses.pop(threading.get_ident(), None)
+            if loss is not None:
+                return loss
+        if backend.backend() == "jax" and self._accumulates:
+            return _keras_private.jax_train_step_loss()
+        return None
+
     def scale_loss(self, loss):
         # `fit` calls this on the micro-batch's loss before differentiating
         # it: multiplying the loss by the micro-batch's weight weighs its
         # gradients for free, instead of multiplying every gradient.
+        self._accum_note_loss(loss)
         loss = super().scale_loss(loss)
         handoffs = self.__dict__.get("_accum_handoffs")
         handoff = handoffs.get(threading.get_ident()) if handoffs else None
@@ -524,22 +698,27 @@ class GradientAccumulation(BackendAccumulation):
             raise ValueError("No gradients provided for any variable.")
         return laid_out
 
-    def _accum_mark_seen(self, has_gradient, new_window):
-        """Records which variables received gradient in the window."""
+    def _accum_mark_seen(self, has_gradient, new_window, finite=None):
+        """Records which variables received gradient in the window (none,
+        for a skipped micro-batch: `finite` false)."""
         mask = ops.convert_to_tensor(np.asarray(has_gradient, "int32"))
+        if finite is not None:
+            mask = ops.multiply(mask, ops.cast(finite, "int32"))
         seen = self._accum_seen
         seen.assign(ops.where(new_window, mask, ops.maximum(seen.value, mask)))
 
-    def _accum_keep_maximum(self, total, grad):
+    def _accum_keep_maximum(self, total, grad, finite=None):
         """float8 scale variables (`overwrite_with_gradient`): the window
-        keeps the maximum of its "gradients", as the big batch computes."""
+        keeps the maximum of its "gradients", as the big batch computes
+        (unchanged by a skipped micro-batch: `finite` false)."""
         if grad is None:
             return
         grad = ops.cast(grad, total.dtype)
         new_window = ops.equal(self._accum_micro_steps.value, 1)
-        total.assign(
-            ops.where(new_window, grad, ops.maximum(total.value, grad))
-        )
+        kept = ops.where(new_window, grad, ops.maximum(total.value, grad))
+        if finite is not None:
+            kept = ops.where(finite, kept, total.value)
+        total.assign(kept)
 
     def flush(self):
         """Applies the pending partial window, if any, and starts a new one.
@@ -606,19 +785,22 @@ class GradientAccumulation(BackendAccumulation):
         # Read the counts here, inside the branch: under TensorFlow's XLA
         # loop, a tensor captured from outside costs every micro-step.
         total_weight = self._accum_total_weight.value
-        sums, total_weight = self._accum_reduce_window(
-            [totals[i] for i in summed], total_weight
+        # The loss sum crosses replicas with the gradient sums.
+        reduced, total_weight = self._accum_reduce_window(
+            [totals[i] for i in summed] + [self._accum_loss_sum.value],
+            total_weight,
         )
+        sums, loss_sum = reduced[:-1], reduced[-1]
         # A window whose micro-batches all weigh 0 (`fit`: every sample
         # weight or token masked) has zero sums: a zero gradient, as the
         # big batch's `divide_no_nan`.
-        total_weight = ops.where(
-            ops.greater(total_weight, 0.0), total_weight, 1.0
-        )
-        means = self._accum_window_mean(sums, total_weight)
+        divisor = ops.where(ops.greater(total_weight, 0.0), total_weight, 1.0)
+        means = self._accum_window_mean(sums, divisor)
         means = self._accum_store_means(
             [self._accum_sums[i] for i in summed], means
         )
+        self._accum_window_loss.assign(ops.divide(loss_sum, divisor))
+        self._accum_window_grad_norm.assign(_global_norm(means))
         grads = dict(zip(summed, means))
         for i in present:
             if i not in totals:
@@ -627,7 +809,26 @@ class GradientAccumulation(BackendAccumulation):
             [ops.cast(grads[i], variables[i].dtype) for i in present],
             [variables[i] for i in present],
         )
+        # After the update, whose learning rate is that of the samples
+        # seen before the window.
+        self._accum_count_samples(total_weight)
         self._accum_end_window()
+
+    def _accum_count_samples(self, weight):
+        """`samples_seen += weight`, compensated (Knuth's two-sum): the
+        pair's sum stays exact where a float32 total would drop tokens
+        once it passes 2**24."""
+        total = self._accum_samples_seen.value
+        added = ops.add(total, weight)
+        kept = ops.subtract(added, total)
+        lost = ops.add(
+            ops.subtract(total, ops.subtract(added, kept)),
+            ops.subtract(weight, kept),
+        )
+        self._accum_samples_seen.assign(added)
+        self._accum_samples_seen_error.assign(
+            ops.add(self._accum_samples_seen_error.value, lost)
+        )
 
     def finalize_variable_values(self, var_list):
         # `fit` calls this once, at the end of training.
@@ -659,7 +860,12 @@ class GradientAccumulation(BackendAccumulation):
     # -- Keras 2 time decay ------------------------------------------------
 
     def _get_current_learning_rate(self):
-        learning_rate = super()._get_current_learning_rate()
+        if schedules.keyed_on_samples(self._learning_rate):
+            learning_rate = self._learning_rate.at_samples(
+                self._accum_samples()
+            )
+        else:
+            learning_rate = super()._get_current_learning_rate()
         if not self.decay:
             return learning_rate
         updates = ops.cast(self._iterations, "float32")
@@ -690,12 +896,7 @@ class GradientAccumulation(BackendAccumulation):
             f"'{self.name}' ({type(self).__name__}, accum_iters={accum_iters})"
         )
         parent, window = plan_restore(
-            values,
-            self._accum_layout,
-            lambda updates: int(
-                ops.convert_to_numpy(self._accum_window_size(updates))
-            ),
-            describe,
+            values, self._accum_layout, self._accum_saved_window_size, describe
         )
         empty = is_empty(window)
         restored = list(parent)
@@ -714,9 +915,20 @@ class GradientAccumulation(BackendAccumulation):
             variable.assign(value)
         if self._accumulates and empty:
             self._accum_end_window()
-            self._accum_micro_batches.assign(
-                np.array(micro_batches_seen(parent, window), "int32")
-            )
+            for name, value in lasting_values(parent, window).items():
+                getattr(self, f"_accum_{name}").assign(value)
+
+    def _accum_saved_window_size(self, parent, window):
+        """The window size the next update of a planned saved state takes
+        (see `plan_restore`)."""
+        schedule = self._accum_schedule
+        if schedule is None:
+            return self.accum_iters
+        if schedules.keyed_on_samples(schedule):
+            key = np.float32(saved_samples_seen(parent, window))
+        else:
+            key = int(np.asarray(parent[0]))
+        return int(ops.convert_to_numpy(self._accum_window_size(key)))
 
     def get_config(self):
         config = super().get_config()
@@ -726,6 +938,7 @@ class GradientAccumulation(BackendAccumulation):
         config.update(
             {
                 "accum_iters": accum_iters,
+                "skip_nonfinite": self.skip_nonfinite,
                 "accumulator_dtype": self.accumulator_dtype,
                 "decay": self.decay,
             }
@@ -798,3 +1011,43 @@ def _check_shape(grad, variable):
             f"{dims}, but the variable has shape {expected}; they must be "
             "equal (a gradient is never broadcast)."
         )
+
+
+def _masked(value, finite):
+    """`value` where `finite` (a traced scalar bool) holds, else zeros;
+    `value` itself when `finite` is `None`."""
+    if finite is None or value is None:
+        return value
+    if hasattr(value, "dense_shape"):  # tf.IndexedSlices
+        values = ops.where(finite, value.values, ops.zeros_like(value.values))
+        return type(value)(values, value.indices, value.dense_shape)
+    value = ops.convert_to_tensor(value)
+    return ops.where(finite, value, ops.zeros_like(value))
+
+
+def all_finite(grads):
+    """A scalar bool: whether every entry of every gradient (`None`s
+    ignored) is finite."""
+    checks = [
+        ops.all(ops.isfinite(_dense_values(grad)))
+        for grad in grads
+        if grad is not None
+    ]
+    if not checks:
+        return ops.convert_to_tensor(True)
+    return ops.all(ops.stack(checks))
+
+
+def _dense_values(grad):
+    """A gradient's entries: an `IndexedSlices`' values, or itself."""
+    return grad.values if hasattr(grad, "dense_shape") else grad
+
+
+def _global_norm(tensors):
+    """The float32 norm of `tensors` taken together."""
+    squares = [
+        ops.sum(ops.square(ops.cast(tensor, "float32"))) for tensor in tensors
+    ]
+    if not squares:
+        return ops.zeros((), "float32")
+    return ops.sqrt(ops.sum(ops.stack(squares)))

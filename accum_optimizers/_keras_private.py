@@ -64,6 +64,7 @@ installed Keras ships, `wrapper_optimizer_classes()` its wrappers.
 import contextlib
 import os
 import re
+import sys
 import threading
 
 import keras
@@ -223,6 +224,34 @@ def is_jax_tracer(value):
     import jax
 
     return isinstance(value, jax.core.Tracer)
+
+
+def jax_train_step_loss():
+    """The unscaled loss of the micro-batch whose gradients Keras' JAX
+    `train_step` is applying, or `None` when the caller is not that train
+    step.
+
+    Keras' JAX trainer computes the loss inside `jax.value_and_grad` and
+    hands the optimizer only the gradients: the loss exists as the train
+    step's local `unscaled_loss` (Keras 3.10 through nightly), read here
+    from the calling frames.
+    """
+    from keras.src.backend.jax.trainer import JAXTrainer
+
+    train_step = JAXTrainer.train_step.__code__
+    frame = sys._getframe(1)
+    for _ in range(_JAX_TRAIN_STEP_DEPTH):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        if frame.f_code is train_step:
+            return frame.f_locals.get("unscaled_loss")
+    return None
+
+
+# The optimizer's `apply` runs a few calls below `train_step`
+# (`stateless_apply`, a `LossScaleOptimizer`, a `MultiOptimizer`).
+_JAX_TRAIN_STEP_DEPTH = 12
 
 
 # torch's in-place multi-tensor kernels, which Keras' fused torch optimizers

@@ -11,9 +11,13 @@ state is kept instead and restored when it builds, as the inner optimizer's
 is; any other `LossScaleOptimizer` behaves as Keras wrote it.
 
 In a custom loop, `LossScaleOptimizer.apply` and `stateless_apply` take no
-`weight`; around an accumulating optimizer they take it here and hand it to
-the inner optimizer's `apply` (which checks it), as `weight=` of its own.
+`weight` or `loss`; around an accumulating optimizer they take them here and
+hand them to the inner optimizer's `apply` (which checks the weight), as
+keywords of its own. `fit` hands the loss to `scale_loss`, which passes it
+on to the inner optimizer (`window_loss`).
 """
+
+import threading
 
 import keras
 import numpy as np
@@ -27,31 +31,38 @@ def _accumulates(optimizer):
 
 def install():
     """Patches `LossScaleOptimizer`'s `load_own_variables`, `build`,
-    `apply` and `stateless_apply` (once)."""
+    `apply`, `stateless_apply` and `scale_loss` (once)."""
     cls = keras.optimizers.LossScaleOptimizer
     if getattr(cls, "_accum_resumes_weights_only", False):
         return
     load_own_variables, build = cls.load_own_variables, cls.build
     apply, stateless_apply = cls.apply, cls.stateless_apply
+    scale_loss = cls.scale_loss
 
     def weighing(method):
-        def weighed(self, *args, weight=None, **kwargs):
-            if weight is None:
+        def weighed(self, *args, weight=None, loss=None, **kwargs):
+            if weight is None and loss is None:
                 return method(self, *args, **kwargs)
             if not _accumulates(self):
                 raise TypeError(
                     f"LossScaleOptimizer.{method.__name__}() takes `weight` "
-                    "only around an accumulating optimizer. Received: "
-                    f"inner_optimizer={self.inner_optimizer!r}"
+                    "and `loss` only around an accumulating optimizer. "
+                    f"Received: inner_optimizer={self.inner_optimizer!r}"
                 )
             inner = self.inner_optimizer
-            inner._accum_hand_over(weight, check=True)
+            if weight is not None:
+                inner._accum_hand_over(weight, check=True)
+            if loss is not None:
+                inner._accum_losses_of_threads()[threading.get_ident()] = loss
             try:
                 return method(self, *args, **kwargs)
             finally:
                 # Left over when the step was skipped (gradients not
                 # finite) or raised before the inner optimizer's `apply`.
                 inner._accum_take_handoff()
+                inner._accum_losses_of_threads().pop(
+                    threading.get_ident(), None
+                )
 
         weighed.__name__ = method.__name__
         weighed.__doc__ = method.__doc__
@@ -90,7 +101,15 @@ def install():
             for variable, value in zip(own, saved):
                 variable.assign(value)
 
+    def noting_scale_loss(self, loss):
+        # `fit` hands the loss to the optimizer it compiled with: the
+        # inner optimizer's `window_loss` needs it too.
+        if _accumulates(self):
+            self.inner_optimizer._accum_note_loss(loss)
+        return scale_loss(self, loss)
+
     cls.apply = weighing(apply)
+    cls.scale_loss = noting_scale_loss
     cls.stateless_apply = weighing(stateless_apply)
     cls.load_own_variables = deferring_load_own_variables
     cls.build = restoring_build

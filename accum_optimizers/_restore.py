@@ -26,6 +26,9 @@ class WindowVariable:
             replica accumulates on its own (read outside a replica as their
             mean, the share that goes with one replica's sums).
         saved_by_0_1_0: whether 0.1.0 saved it.
+        lasting: whether it outlives the window (a count since creation,
+            the last window's metrics), so that it is restored from a
+            state saved between windows too.
     """
 
     def __init__(
@@ -35,12 +38,14 @@ class WindowVariable:
         per_variable=False,
         aggregation="only_first_replica",
         saved_by_0_1_0=False,
+        lasting=False,
     ):
         self.name = name
         self.dtype = dtype
         self.per_variable = per_variable
         self.aggregation = aggregation
         self.saved_by_0_1_0 = saved_by_0_1_0
+        self.lasting = lasting
 
     def shape(self, variable_count):
         return (variable_count,) if self.per_variable else ()
@@ -50,13 +55,28 @@ WINDOW_STATE = (
     # Micro-batches in the pending window; 0 between windows.
     WindowVariable("micro_steps", "int32", saved_by_0_1_0=True),
     # Micro-batches accumulated since creation.
-    WindowVariable("micro_batches", "int32", saved_by_0_1_0=True),
+    WindowVariable("micro_batches", "int32", saved_by_0_1_0=True, lasting=True),
     # Which variables received gradient in the window (`flush` updates
     # those alone).
     WindowVariable("seen", "int32", per_variable=True),
     # The sum of the window's micro-batch weights (1 each without `weight`):
     # the window's mean gradient is its sums divided by this.
     WindowVariable("total_weight", "float32", aggregation="mean"),
+    # Micro-batches left out of their window for non-finite gradients
+    # (`skip_nonfinite=True`), since creation.
+    WindowVariable("skipped", "int32", lasting=True),
+    # The total weight of the applied windows (samples, tokens, or
+    # micro-batches of weight 1), as a float32 pair whose sum is exact well
+    # past float32's 2**24 (see `_accum_count_samples`).
+    WindowVariable("samples_seen", "float32", lasting=True),
+    WindowVariable("samples_seen_error", "float32", lasting=True),
+    # The window's sum of `weight * loss` (`apply(..., loss=)`, or the loss
+    # `fit` computes), summed over replicas like the gradients.
+    WindowVariable("loss_sum", "float32", aggregation="sum"),
+    # The last applied window's loss (`loss_sum / total_weight`) and the
+    # norm of its mean gradient: the big batch's at the window's weights.
+    WindowVariable("window_loss", "float32", lasting=True),
+    WindowVariable("window_grad_norm", "float32", lasting=True),
 )
 
 
@@ -96,7 +116,7 @@ def plan_restore(values, layout, window_size_at, describe):
     cannot continue exactly:
 
     - a saved pending window that the window size cannot hold (it holds
-      `k - 1` micro-batches at most, `k = window_size_at(iterations)`);
+      `k - 1` micro-batches at most, `k = window_size_at(parent, window)`);
     - counters that no run produces (negative, or more pending micro-batches
       than seen);
     - a variable count that matches none of: this configuration, the parent's
@@ -107,8 +127,9 @@ def plan_restore(values, layout, window_size_at, describe):
     Args:
         values: the saved arrays, in order.
         layout: the `Layout` of the optimizer being restored.
-        window_size_at: maps a number of applied updates to the window size
-            (`accum_iters`, or its schedule's value).
+        window_size_at: maps `(parent, window)`, a planned state, to the
+            window size its next update takes (`accum_iters`, or its
+            schedule's value at the saved updates or samples seen).
         describe: a string naming the optimizer, for error messages.
     """
     count = len(values)
@@ -159,13 +180,31 @@ def is_empty(window):
     return window is None or int(np.asarray(window[0])) == 0
 
 
-def micro_batches_seen(parent, window):
-    """The micro-batches seen that a restored state counts: the saved count,
-    or one per update for a state saved without a window (as
-    `accum_iters=1` counts)."""
+def lasting_values(parent, window):
+    """`{name: value}` of the `lasting` window variables a restored state
+    holds: the saved values, or for a state saved without a window (by
+    `accum_iters=1` or the parent class) one micro-batch of weight 1 per
+    update, as `accum_iters=1` counts, and zeros."""
     if window is not None:
-        return int(np.asarray(window[1]))
-    return int(np.asarray(parent[0]))
+        return {
+            variable.name: np.asarray(value)
+            for variable, value in zip(WINDOW_STATE, window)
+            if variable.lasting
+        }
+    updates = np.asarray(parent[0])
+    values = {}
+    for variable in WINDOW_STATE:
+        if variable.name in ("micro_batches", "samples_seen"):
+            values[variable.name] = updates.astype(variable.dtype)
+        elif variable.lasting:
+            values[variable.name] = np.zeros((), variable.dtype)
+    return values
+
+
+def saved_samples_seen(parent, window):
+    """The samples seen a planned state holds (see `lasting_values`)."""
+    values = lasting_values(parent, window)
+    return float(values["samples_seen"]) + float(values["samples_seen_error"])
 
 
 def _absent_from_0_1_0():
@@ -183,8 +222,14 @@ def _window_of_0_1_0(window, sums):
             upgraded.append(next(saved))
         elif variable.name == "seen":
             upgraded.append(np.ones(sums, "int32"))
-        else:  # total_weight
+        elif variable.name == "total_weight":
             upgraded.append(np.asarray(window[0], "float32"))
+        elif variable.name == "samples_seen":
+            # Every applied micro-batch weighed 1.
+            applied = int(np.asarray(window[1])) - int(np.asarray(window[0]))
+            upgraded.append(np.asarray(applied, "float32"))
+        else:  # counts and metrics 0.1.0 did not keep
+            upgraded.append(np.zeros((), variable.dtype))
     return upgraded + list(saved)
 
 
@@ -221,7 +266,7 @@ def _check_counters(parent, window, layout, window_size_at, describe):
             f"with accum_iters > {pending} and call `flush()`, or save "
             "it between windows."
         )
-    accum_iters = window_size_at(iterations)
+    accum_iters = window_size_at(parent, window)
     if pending >= accum_iters:
         raise ValueError(
             f"Cannot restore the state of optimizer {describe}: the "

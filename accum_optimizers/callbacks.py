@@ -12,6 +12,7 @@ from keras.saving import register_keras_serializable
 
 from accum_optimizers import _keras_private
 from accum_optimizers import _tensorboard
+from accum_optimizers import schedules
 from accum_optimizers.layers import AccumBatchNormalization
 from accum_optimizers.weighting import accumulating_optimizers
 from accum_optimizers.weighting import count_updates_in_multi_optimizer
@@ -171,21 +172,33 @@ class FlushAccumulation(keras.callbacks.Callback):
 
 @register_keras_serializable(package="accum_optimizers")
 class AccumulationLogger(keras.callbacks.Callback):
-    """Shows applied updates and the pending window in `fit`'s logs.
+    """Shows applied updates, the pending window and the last window's own
+    metrics in `fit`'s logs.
 
     `fit` counts micro-batches (the progress bar's steps); the weights move
     once per window of `accum_iters` of them. At the end of every epoch (and,
-    with `update_freq`, after every few batches) this callback adds two
-    entries to `logs`:
+    with `update_freq`, after every few batches) this callback adds to
+    `logs`:
 
     - `updates`: applied updates, `optimizer.iterations`;
-    - `micro_steps`: micro-batches pending in the current window.
+    - `micro_steps`: micro-batches pending in the current window;
+    - `window_loss`: the last applied window's loss, the mean of its
+      micro-batches' losses weighed like their gradients: within a window
+      the weights do not move, so this is the big batch's loss (Keras'
+      `loss` is a running mean over the epoch's micro-batches);
+    - `window_grad_norm`: the norm of that window's mean gradient, before
+      clipping: the big batch's gradient norm;
+    - `skipped_micro_batches`: micro-batches left out for non-finite
+      gradients (`skip_nonfinite=True`);
+    - `samples_seen`: the total weight of the applied windows (samples
+      under `weigh_micro_batches`, micro-batches otherwise).
 
-    The progress bar then shows them beside the loss (as floats:
-    `updates: 12.0000`), `History` records their values at each epoch's end,
-    and callbacks listed after this one (`keras.callbacks.TensorBoard`,
-    `CSVLogger`) see them too. List it after `FlushAccumulation` so that
-    the epoch's values include the flushed window.
+    The progress bar then shows them beside the loss, `History` records
+    their values at each epoch's end, and callbacks listed after this one
+    (`keras.callbacks.TensorBoard`, `CSVLogger`) see them too. List it after
+    `FlushAccumulation` so that the epoch's values include the flushed
+    window. `windows` keeps one entry per applied update the logger saw
+    (every update with `update_freq="batch"`).
 
     With `log_dir`, it also writes these TensorBoard scalars to
     `log_dir/train`, the run where `keras.callbacks.TensorBoard(log_dir)`
@@ -198,8 +211,12 @@ class AccumulationLogger(keras.callbacks.Callback):
       window pending) up to `(accum_iters - 1) / accum_iters`;
     - `accumulation/effective_batch_size`: `batch_size * accum_iters` of
       the window that produced the update at that step, the batch it
-      averaged over (only when `batch_size` is given; a flushed partial
-      window averages over fewer samples).
+      averaged over (only when `batch_size` is given and `accum_iters` is
+      not keyed on samples; a flushed partial window averages over fewer
+      samples);
+    - `accumulation/window_loss`, `accumulation/window_grad_norm`,
+      `accumulation/skipped_micro_batches`, `accumulation/samples_seen`:
+      as in `logs`.
 
     A point is written at each epoch's end and, with `update_freq`, after
     batches that applied an update. The event file is written by the
@@ -222,6 +239,12 @@ class AccumulationLogger(keras.callbacks.Callback):
             each epoch only; with `N`, also after every `N` training batches
             (micro-batches, also with `steps_per_execution`; `"batch"` is
             `1`), so the progress bar shows them as it runs.
+
+    Attributes:
+        windows: dict of lists, one item per applied update seen by the
+            logger: `updates`, `window_loss`, `window_grad_norm`,
+            `skipped_micro_batches`, `samples_seen` and `window_fill`
+            (`micro_steps / accum_iters` when it was seen).
     """
 
     def __init__(
@@ -264,6 +287,7 @@ class AccumulationLogger(keras.callbacks.Callback):
         self._writer = None
         self._batches = 0
         self._written = None
+        self.windows = {name: [] for name in _WINDOW_RECORD}
 
     def _optimizer(self) -> keras.optimizers.Optimizer:
         """The accumulating optimizer whose counters are logged: the
@@ -286,6 +310,7 @@ class AccumulationLogger(keras.callbacks.Callback):
         self._batches = 0
         self._epoch_batches = 0
         self._written = None
+        self.windows = {name: [] for name in _WINDOW_RECORD}
         if self.log_dir is not None:
             self._writer = _tensorboard.scalar_writer(
                 os.path.join(self.log_dir, "train")
@@ -328,9 +353,28 @@ class AccumulationLogger(keras.callbacks.Callback):
         optimizer = self._optimizer()
         updates = int(ops.convert_to_numpy(optimizer.iterations))
         micro_steps = int(ops.convert_to_numpy(optimizer.micro_steps))
+        accum_iters = optimizer.current_accum_iters
+        metrics = {
+            "window_loss": float(ops.convert_to_numpy(optimizer.window_loss)),
+            "window_grad_norm": float(
+                ops.convert_to_numpy(optimizer.window_grad_norm)
+            ),
+            "skipped_micro_batches": int(
+                ops.convert_to_numpy(optimizer.skipped_micro_batches)
+            ),
+            "samples_seen": float(ops.convert_to_numpy(optimizer.samples_seen)),
+        }
         if isinstance(logs, dict):
             logs["updates"] = updates
             logs["micro_steps"] = micro_steps
+            logs.update(metrics)
+        recorded = self.windows["updates"]
+        if updates > 0 and (not recorded or recorded[-1] != updates):
+            record = dict(
+                metrics, updates=updates, window_fill=micro_steps / accum_iters
+            )
+            for name in _WINDOW_RECORD:
+                self.windows[name].append(record[name])
         if self._writer is None:
             return
         last = self._written or (None, None)
@@ -339,14 +383,16 @@ class AccumulationLogger(keras.callbacks.Callback):
         ):
             return
         self._written = (updates, micro_steps)
-        accum_iters = optimizer.current_accum_iters
         seen = int(ops.convert_to_numpy(optimizer.micro_batches_seen))
         scalars = {
             "updates": updates,
             "micro_batches": seen,
             "window_fill": micro_steps / accum_iters,
+            **metrics,
         }
-        if self.batch_size is not None:
+        keyed_on_samples = schedules.keyed_on_samples(optimizer.accum_iters)
+        if self.batch_size is not None and not keyed_on_samples:
+            # (Keyed on samples, the size of a past window is not known.)
             # The window that produced update `updates` (counting from 1)
             # had the size the schedule gave at `updates - 1`.
             produced = int(
@@ -364,6 +410,17 @@ class AccumulationLogger(keras.callbacks.Callback):
             "batch_size": self.batch_size,
             "update_freq": self.update_freq,
         }
+
+
+# What `AccumulationLogger.windows` records for each update.
+_WINDOW_RECORD = (
+    "updates",
+    "window_loss",
+    "window_grad_norm",
+    "skipped_micro_batches",
+    "samples_seen",
+    "window_fill",
+)
 
 
 def _is_positive_int(value: Any) -> bool:

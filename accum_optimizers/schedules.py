@@ -1,4 +1,5 @@
-"""Accumulation schedules: the window size as a function of applied updates.
+"""Accumulation schedules: the window size as a function of applied updates
+(or, with `by_samples`, of the samples seen).
 
 `accum_iters` takes an integer, a dict `{update: k}`, or an `AccumSchedule`.
 The window that produces update `t` (counting from 0) averages `k(t)`
@@ -10,10 +11,18 @@ optimizer on batches of `k(t) * b`: a batch-size ramp.
 optimizer = AdamAccumulate(accum_iters={0: 1, 1000: 2, 5000: 4})
 # From 1 to 8 micro-batches over the first 2000 updates:
 optimizer = AdamAccumulate(accum_iters=LinearRamp(1, 8, ramp_updates=2000))
+# Keyed on samples: 1 micro-batch until 1M samples were applied, then 4,
+# with a learning-rate warm-up over the first 100k samples:
+optimizer = AdamAccumulate(
+    accum_iters=by_samples({0: 1, 1_000_000: 4}),
+    learning_rate=by_samples(warm_up_schedule),
+)
 ```
 """
 
+import keras
 from keras import ops
+from keras.optimizers.schedules import LearningRateSchedule
 from keras.saving import register_keras_serializable
 
 from accum_optimizers._validation import validate_accum_iters
@@ -87,7 +96,7 @@ class PiecewiseConstantAccumIters(AccumSchedule):
         self.min_accum_iters = min(self.boundaries.values())
 
     def __call__(self, update):
-        update = ops.cast(update, "int32")
+        update = _count(update)
         window = ops.convert_to_tensor(self.boundaries[0], "int32")
         for start, size in sorted(self.boundaries.items())[1:]:
             window = ops.where(
@@ -133,12 +142,21 @@ class LinearRamp(AccumSchedule):
         self.min_accum_iters = min(self.initial, self.final)
 
     def __call__(self, update):
-        progress = ops.minimum(ops.cast(update, "int32"), self.ramp_updates)
-        growth = ops.floor_divide(
-            ops.multiply(progress, self.final - self.initial),
-            self.ramp_updates,
-        )
-        return ops.cast(ops.add(growth, self.initial), "int32")
+        update = _count(update)
+        if _dtype(update) == "float32":
+            # Samples seen (`by_samples`): past int32's range, and a ramp
+            # over millions of them would overflow an int32 product.
+            progress = ops.minimum(update, float(self.ramp_updates))
+            growth = ops.floor(
+                progress * (self.final - self.initial) / self.ramp_updates
+            )
+        else:
+            progress = ops.minimum(update, self.ramp_updates)
+            growth = ops.floor_divide(
+                ops.multiply(progress, self.final - self.initial),
+                self.ramp_updates,
+            )
+        return ops.add(ops.cast(growth, "int32"), self.initial)
 
     def get_config(self):
         return {
@@ -146,3 +164,137 @@ class LinearRamp(AccumSchedule):
             "final": self.final,
             "ramp_updates": self.ramp_updates,
         }
+
+
+def by_samples(schedule):
+    """Keys `schedule` on the samples seen instead of the applied updates.
+
+    The optimizer counts the total weight of the windows it applied
+    (`optimizer.samples_seen`): samples, or valid tokens or sample weights,
+    when windows are weighted (`weigh_micro_batches(model)` in `fit`,
+    `apply(..., weight=n)` in a custom loop); micro-batches, each weighing
+    1, otherwise. A schedule keyed on it stays defined per sample when the
+    batch grows: the update after `s` samples uses `schedule(s)`, as the
+    parent optimizer fed the same big batches would with its learning rate
+    set at the same sample counts.
+
+    Args:
+        schedule: an `AccumSchedule` or a dict `{samples: k}` (for
+            `accum_iters`), or a `keras.optimizers.schedules
+            .LearningRateSchedule` (for `learning_rate`).
+
+    Returns:
+        A `SamplesAccumSchedule` or a `SamplesLearningRateSchedule`, which
+        only accumulating optimizers accept.
+    """
+    if isinstance(schedule, LearningRateSchedule):
+        return SamplesLearningRateSchedule(schedule)
+    if isinstance(schedule, (dict, AccumSchedule)):
+        return SamplesAccumSchedule(schedule)
+    raise TypeError(
+        "`schedule` must be an `AccumSchedule`, a dict `{samples: k}` or a "
+        "`LearningRateSchedule`. Received: "
+        f"schedule={schedule!r} of type {type(schedule).__name__}"
+    )
+
+
+def keyed_on_samples(schedule):
+    """Whether `schedule` (anything `accum_iters` or `learning_rate`
+    takes) is keyed on the samples seen."""
+    return isinstance(
+        schedule, (SamplesAccumSchedule, SamplesLearningRateSchedule)
+    )
+
+
+@register_keras_serializable(package=_PACKAGE)
+class SamplesAccumSchedule(AccumSchedule):
+    """An accumulation schedule keyed on the samples seen (`by_samples`).
+
+    Args:
+        schedule: an `AccumSchedule`, or a dict `{samples: k}`, whose key
+            is the samples seen (a float32 scalar) instead of updates.
+    """
+
+    def __init__(self, schedule):
+        if isinstance(schedule, dict):
+            schedule = PiecewiseConstantAccumIters(schedule)
+        if not isinstance(schedule, AccumSchedule) or isinstance(
+            schedule, SamplesAccumSchedule
+        ):
+            raise TypeError(
+                "`schedule` must be an `AccumSchedule` or a dict keyed on "
+                f"update counts. Received: schedule={schedule!r}"
+            )
+        self.schedule = schedule
+        self.min_accum_iters = schedule.min_accum_iters
+
+    def __call__(self, samples):
+        return self.schedule(samples)
+
+    def get_config(self):
+        return {"schedule": keras.saving.serialize_keras_object(self.schedule)}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(keras.saving.deserialize_keras_object(config["schedule"]))
+
+    def __repr__(self):
+        return f"by_samples({self.schedule!r})"
+
+
+@register_keras_serializable(package=_PACKAGE)
+class SamplesLearningRateSchedule(LearningRateSchedule):
+    """A learning-rate schedule keyed on the samples seen (`by_samples`).
+
+    An accumulating optimizer evaluates `schedule` at its `samples_seen`;
+    any other optimizer would call it with its update count, so calling it
+    raises.
+
+    Args:
+        schedule: a `LearningRateSchedule`.
+    """
+
+    def __init__(self, schedule):
+        if not isinstance(schedule, LearningRateSchedule) or isinstance(
+            schedule, SamplesLearningRateSchedule
+        ):
+            raise TypeError(
+                "`schedule` must be a `keras.optimizers.schedules."
+                f"LearningRateSchedule`. Received: schedule={schedule!r}"
+            )
+        self.schedule = schedule
+
+    def __call__(self, step):
+        raise TypeError(
+            f"by_samples({type(self.schedule).__name__}) is keyed on the "
+            "samples an accumulating optimizer counts; pass it as the "
+            "`learning_rate` of an `accum_optimizers` optimizer (with any "
+            "`accum_iters`), not of a plain Keras optimizer."
+        )
+
+    def at_samples(self, samples):
+        """The learning rate after `samples` samples (a float32 scalar)."""
+        return self.schedule(samples)
+
+    def get_config(self):
+        return {"schedule": keras.saving.serialize_keras_object(self.schedule)}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(keras.saving.deserialize_keras_object(config["schedule"]))
+
+    def __repr__(self):
+        return f"by_samples({self.schedule!r})"
+
+
+def _count(update):
+    """An update count as int32, or samples seen as float32."""
+    if not hasattr(update, "dtype") and isinstance(update, float):
+        return ops.convert_to_tensor(update, "float32")
+    if hasattr(update, "dtype") and "float" in _dtype(update):
+        return ops.cast(update, "float32")
+    return ops.cast(update, "int32")
+
+
+def _dtype(value):
+    return keras.backend.standardize_dtype(value.dtype)

@@ -3,7 +3,7 @@
     KERAS_BACKEND=jax python -m benchmarks.window_steps [--workload mlp]
                                                      [--windows 100]
     KERAS_BACKEND=tensorflow python -m benchmarks.window_steps [--xla]
-    KERAS_BACKEND=torch python -m benchmarks.window_steps
+    KERAS_BACKEND=torch python -m benchmarks.window_steps [--skip-nonfinite]
 
 Compiles Keras' own `train_step` the way `model.fit` does on the backend
 (`jax.jit` with the state donated; `tf.function`, with `jit_compile` under
@@ -17,7 +17,9 @@ each, so that a drift of the process's speed falls on all of them. Prints
 ms per call (median over `--windows`, default 100), the mean over the
 window and, on JAX, the number of `copy` instructions in the compiled
 step. Ours should cost the
-ceiling on steps 1-3 and the parent on step 4.
+ceiling on steps 1-3 and the parent on step 4. `--skip-nonfinite` adds ours
+with `skip_nonfinite=True` (`ours_k4_skip`) beside ours, for the cost of
+the check.
 """
 
 import argparse
@@ -131,6 +133,7 @@ def main(argv=None):
         "--optimizers", nargs="+", default=list(worker.OPTIMIZERS)
     )
     parser.add_argument("--xla", action="store_true")
+    parser.add_argument("--skip-nonfinite", action="store_true")
     args = parser.parse_args(argv)
     backend = keras.backend.backend()
     if args.xla and backend != "tensorflow":
@@ -145,7 +148,10 @@ def main(argv=None):
     print("|---|---|---|---|---|---|---|---|")
     for optimizer_name in args.optimizers:
         steps, copies = {}, {}
-        for config in CONFIGS:
+        configs = CONFIGS
+        if args.skip_nonfinite:
+            configs = ("parent", "ours_k4", "ours_k4_skip")
+        for config in configs:
             steps[config], copies[config] = compiled_step(
                 args.workload, config, optimizer_name, args.xla
             )

@@ -84,6 +84,8 @@ def make_config(config, optimizer_name):
         return parent(gradient_accumulation_steps=K, **options), 1
     if config == "ours_k4":
         return ours(accum_iters=K, **options), 1
+    if config == "ours_k4_skip":
+        return ours(accum_iters=K, skip_nonfinite=True, **options), 1
     if config == "ours_k1":
         return ours(accum_iters=1, **options), 1
     if config == "ceiling":

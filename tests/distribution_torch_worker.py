@@ -156,6 +156,38 @@ def flush_partial_windows(rank, x, y):
     return results
 
 
+def skip_on_every_rank(rank, x, y):
+    """`skip_nonfinite` under `sync_windows`: rank 1's gradients are NaN
+    on micro-step `SKIPPED`; both ranks must leave it out (keys `skip_*`)."""
+    model = small_model(0)
+    optimizer = sync_windows(
+        AdamAccumulate(learning_rate=0.01, accum_iters=K, skip_nonfinite=True)
+    )
+    variables = model.trainable_variables
+    for step in range(K + 1):
+        lo = step * GLOBAL_MICRO + rank * B
+        xb = torch.from_numpy(x[lo : lo + B])
+        yb = torch.from_numpy(y[lo : lo + B])
+        loss = torch.mean(torch.square(model(xb) - yb))
+        if step == SKIPPED and rank == 1:
+            loss = loss * float("nan")
+        loss.backward()
+        grads = [v.value.grad for v in variables]
+        with torch.no_grad():
+            optimizer.apply(grads, variables)
+        model.zero_grad()
+    results = {f"skip_w{i}": w for i, w in enumerate(model.get_weights())}
+    for name in ("iterations", "skipped_micro_batches", "micro_steps"):
+        results[f"skip_{name}"] = int(
+            keras.ops.convert_to_numpy(getattr(optimizer, name))
+        )
+    return results
+
+
+# The micro-step whose gradients are NaN on rank 1 (`skip_on_every_rank`).
+SKIPPED = 1
+
+
 def main(out):
     assert keras.backend.backend() == "torch"
     rank = int(os.environ["RANK"])
@@ -170,6 +202,7 @@ def main(out):
             results.update(train(case, rank, x, y))
             results.update(train(case, rank, x, y, windows=True))
         results.update(flush_partial_windows(rank, x, y))
+        results.update(skip_on_every_rank(rank, x, y))
         np.savez(Path(out) / f"rank{rank}.npz", **results)
     finally:
         dist.destroy_process_group()

@@ -1,8 +1,9 @@
 """`apply` run in each execution mode the current backend offers.
 
 `MODES` names them; `applier(optimizer, variables, mode)` returns a function
-`(grads, weight=None) -> None` that applies one micro-step's gradients
-(`None` for a variable without one), with `apply`'s `weight`, in that
+`(grads, weight=None, loss=None) -> None` that applies one micro-step's
+gradients (`None` for a variable without one), with `apply`'s `weight` and
+`loss`, in that
 mode: eagerly, in a TensorFlow graph (`tf.function`), under XLA
 (`jit_compile=True`), or under `jax.jit` through `stateless_apply`. With
 `subset=True` the eager and TensorFlow modes pass only the variables that
@@ -33,8 +34,8 @@ def applier(optimizer, variables, mode, subset=False):
 
     if mode == "eager":
 
-        def step(grads, weight=None):
-            optimizer.apply(*pairs(grads), **_weight(weight))
+        def step(grads, weight=None, loss=None):
+            optimizer.apply(*pairs(grads), **_weight(weight, loss))
 
         return step
     if mode in ("graph", "xla"):
@@ -42,38 +43,45 @@ def applier(optimizer, variables, mode, subset=False):
 
         compiled = {}  # one graph per set of variables passed
 
-        def step(grads, weight=None):
+        def step(grads, weight=None, loss=None):
             kept_grads, kept_variables = pairs(grads)
-            key = (tuple(id(v) for v in kept_variables), weight is None)
+            key = (
+                tuple(id(v) for v in kept_variables),
+                weight is None,
+                loss is None,
+            )
             if key not in compiled:
 
                 @tf.function(jit_compile=mode == "xla")
-                def function(kept_grads, weight):
+                def function(kept_grads, weight, loss):
                     optimizer.apply(
-                        kept_grads, kept_variables, **_weight(weight)
+                        kept_grads, kept_variables, **_weight(weight, loss)
                     )
 
                 compiled[key] = function
             if weight is not None:  # traced, as a tensor
                 weight = tf.convert_to_tensor(weight, "float32")
-            compiled[key](kept_grads, weight)
+            if loss is not None:
+                loss = tf.convert_to_tensor(loss, "float32")
+            compiled[key](kept_grads, weight, loss)
 
         return step
     if mode == "jit":
         import jax
 
         @jax.jit
-        def pure(opt_state, trainable, grads, weight):
+        def pure(opt_state, trainable, grads, weight, loss):
             return optimizer.stateless_apply(
-                opt_state, grads, trainable, **_weight(weight)
+                opt_state, grads, trainable, **_weight(weight, loss)
             )
 
-        def step(grads, weight=None):
+        def step(grads, weight=None, loss=None):
             trainable, opt_state = pure(
                 [v.value for v in optimizer.variables],
                 [v.value for v in variables],
                 grads,
                 weight,
+                loss,
             )
             for variable, value in zip(variables, trainable):
                 variable.assign(value)
@@ -84,7 +92,10 @@ def applier(optimizer, variables, mode, subset=False):
     raise ValueError(f"Unknown mode: {mode!r}")
 
 
-def _weight(weight):
-    """`apply`'s keyword for `weight`; none for `None`, so that plain Keras
-    optimizers run through the same modes."""
-    return {} if weight is None else {"weight": weight}
+def _weight(weight, loss=None):
+    """`apply`'s keywords for `weight` and `loss`; none for `None`, so that
+    plain Keras optimizers run through the same modes."""
+    keywords = {} if weight is None else {"weight": weight}
+    if loss is not None:
+        keywords["loss"] = loss
+    return keywords

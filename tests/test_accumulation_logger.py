@@ -115,6 +115,19 @@ def test_event_file_has_the_scalars_with_step_applied_updates(tmp_path):
     _fit([AccumulationLogger(log_dir=tmp_path, batch_size=B)], epochs=2)
     scalars = _scalars(tmp_path / "train")
     # One point per epoch end: after 5 and 10 micro-batches.
+    assert scalars.pop("accumulation/skipped_micro_batches") == [
+        (2, 0.0),
+        (5, 0.0),
+    ]
+    # Unweighted windows count micro-batches: K per applied window.
+    assert scalars.pop("accumulation/samples_seen") == [
+        (2, 2.0 * K),
+        (5, 5.0 * K),
+    ]
+    for name in ("window_loss", "window_grad_norm"):
+        points = scalars.pop(f"accumulation/{name}")
+        assert [step for step, _ in points] == [2, 5]
+        assert all(np.isfinite(value) and value > 0 for _, value in points)
     assert scalars == {
         "accumulation/updates": [(2, 2.0), (5, 5.0)],
         "accumulation/micro_batches": [(2, 5.0), (5, 10.0)],

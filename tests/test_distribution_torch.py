@@ -327,6 +327,44 @@ def test_sync_windows_flush_discards_a_window_non_finite_on_one_rank(ranks):
             np.testing.assert_array_equal(other[key], chief[key])
 
 
+def test_sync_windows_skips_a_micro_batch_non_finite_on_one_rank(ranks):
+    # Oracle: the parent on one process, on the global micro-batches the
+    # window holds once micro-step SKIPPED (NaN on rank 1 only) is left out.
+    from distribution_torch_worker import DATA_SEED
+    from distribution_torch_worker import GLOBAL_MICRO
+    from distribution_torch_worker import SKIPPED
+    from distribution_torch_worker import K
+    from distribution_torch_worker import N
+    from helpers import regression_data
+    from helpers import small_model
+
+    x, y = regression_data(DATA_SEED, N)
+    kept = np.concatenate(
+        [
+            np.arange(step * GLOBAL_MICRO, (step + 1) * GLOBAL_MICRO)
+            for step in range(K + 1)
+            if step != SKIPPED
+        ]
+    )
+    model = small_model(0)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.fit(
+        x[kept], y[kept], batch_size=K * GLOBAL_MICRO, shuffle=False, verbose=0
+    )
+    chief, other = ranks
+    for result in ranks:
+        for i, weight in enumerate(model.get_weights()):
+            np.testing.assert_allclose(
+                result[f"skip_w{i}"], weight, rtol=1e-5, atol=1e-6
+            )
+        assert result["skip_iterations"] == 1
+        assert result["skip_skipped_micro_batches"] == 1
+        assert result["skip_micro_steps"] == 0
+    for key in chief:
+        if key.startswith("skip_w"):
+            np.testing.assert_array_equal(other[key], chief[key])
+
+
 def test_buckets_split_by_size_and_dtype():
     import torch
 

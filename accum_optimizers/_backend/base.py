@@ -133,9 +133,20 @@ class Accumulation:
         window leaves dead (see `_accum_end_window`)."""
         return means
 
+    def _accum_agree_finite(self, finite):
+        """Whether every replica's (or rank's) micro-batch gradients are
+        finite, given whether this one's are (a scalar bool): a skipped
+        micro-batch is skipped everywhere. Identity where programs see
+        global arrays (keras.distribution) or there is one replica."""
+        return finite
+
     def _accum_end_window(self):
-        """Starts a new window: the counter and the total weight are
-        zeroed; the sums are left for the next window's first micro-step to
-        overwrite."""
-        for counter in (self._accum_micro_steps, self._accum_total_weight):
+        """Starts a new window: the counter, the total weight and the loss
+        sum are zeroed; the sums are left for the next window's first
+        micro-step to overwrite."""
+        for counter in (
+            self._accum_micro_steps,
+            self._accum_total_weight,
+            self._accum_loss_sum,
+        ):
             counter.assign(ops.zeros(counter.shape, counter.dtype))

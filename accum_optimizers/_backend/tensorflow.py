@@ -104,13 +104,10 @@ class TFAccumulation(Accumulation):
         `sums + grads` without writing the sums; the others add, scattering
         `IndexedSlices` (embedding gradients) instead of densifying them."""
         grads = self._accum_weighed(sums, grads, weight)
-        # Only a schedule with `k = 1` closes a window on its first
-        # micro-step, where the sums still hold the previous window's.
-        schedule = self._accum_schedule
-        may_close_on_first = schedule is not None and (
-            schedule.min_accum_iters == 1
-        )
-        first = new_window if may_close_on_first else None
+        # Only a window of 1 (`skip_nonfinite`, a schedule, samples
+        # counted) closes on its first micro-step, where the sums still
+        # hold the previous window's.
+        first = new_window if self._accum_min_window_size == 1 else None
 
         def window():
             apply_window(
@@ -174,6 +171,18 @@ class TFAccumulation(Accumulation):
             replica_context is not None
             and replica_context.num_replicas_in_sync > 1
         )
+
+    def _accum_agree_finite(self, finite):
+        replica_context = tf.distribute.get_replica_context()
+        if replica_context is None or replica_context.num_replicas_in_sync == 1:
+            return finite
+        # One scalar per micro-step: a replica's skip must be everyone's
+        # (tf.distribute reduces by sum or mean only: count the others).
+        nonfinite = replica_context.all_reduce(
+            tf.distribute.ReduceOp.SUM,
+            tf.cast(tf.logical_not(finite), "float32"),
+        )
+        return tf.equal(nonfinite, 0.0)
 
     def _accum_reduce_window(self, sums, total_weight):
         replica_context = tf.distribute.get_replica_context()

@@ -56,6 +56,16 @@ class TorchAccumulation(Accumulation):
         )
         return bool(flag.item())
 
+    def _accum_agree_finite(self, finite):
+        sync = getattr(self, "_accum_window_sync", None)
+        if sync is None:
+            return finite
+        flag = torch.as_tensor(finite, dtype=torch.int32).reshape(1)
+        torch.distributed.all_reduce(
+            flag, op=torch.distributed.ReduceOp.MIN, group=sync.process_group
+        )
+        return flag[0] > 0
+
     @torch.no_grad()
     def _accum_window_mean(self, totals, count):
         # In place: `totals` are the sums, which `_accum_end_window` zeroes
@@ -69,6 +79,7 @@ class TorchAccumulation(Accumulation):
         variables = self._accum_sums + [
             self._accum_micro_steps,
             self._accum_total_weight,
+            self._accum_loss_sum,
         ]
         _keras_private.torch_foreach_zero_(
             [variable.value for variable in variables]

@@ -1,0 +1,67 @@
+"""`skip_nonfinite` across devices: a micro-batch non-finite on one
+replica is left out on all of them.
+
+- `tf.distribute.MirroredStrategy` over 2 CPU devices
+  (skip_mirrored_worker.py), in a graph: the replicas agree with an
+  all-reduce of the check;
+- `keras.distribution.DataParallel` over 2 JAX CPU devices: the gradients
+  are global arrays, so is the check.
+
+(torch ranks under `sync_windows`: test_distribution_torch.py.) The oracle
+is the parent Keras optimizer on one device on the big batches made of the
+remaining micro-batches.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import run_jax_worker
+
+HERE = Path(__file__).resolve().parent
+# Same weights up to float32 round-off of a differently ordered sum.
+TOLERANCE = 1e-6
+
+
+@pytest.fixture(scope="module")
+def mirrored(tmp_path_factory):
+    out = tmp_path_factory.mktemp("skip_mirrored") / "results.json"
+    result = subprocess.run(
+        [sys.executable, str(HERE / "skip_mirrored_worker.py"), str(out)],
+        cwd=HERE,
+        env=dict(
+            os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow"
+        ),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["replicas"] == 2
+    return results
+
+
+def _assert_skipped_everywhere(result):
+    assert "error" not in result, result["error"]
+    assert result["max_difference"] < TOLERANCE
+    assert result["scale"] > 1000 * TOLERANCE
+    assert result["skipped_micro_batches"] == 1
+    assert result["iterations"] == result["expected_iterations"]
+    assert result["micro_steps"] == result["expected_micro_steps"]
+
+
+@pytest.mark.backends("tensorflow")
+def test_mirrored_replicas_skip_together(mirrored):
+    _assert_skipped_everywhere(mirrored["graph"])
+
+
+@pytest.mark.backends("jax")
+def test_data_parallel_skips_a_micro_batch_non_finite_on_one_device(tmp_path):
+    result = run_jax_worker(
+        "skip_dataparallel_worker.py", tmp_path / "results.json", 2
+    )
+    _assert_skipped_everywhere(result)
