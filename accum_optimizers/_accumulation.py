@@ -795,12 +795,16 @@ class GradientAccumulation(BackendAccumulation):
         # weight or token masked) has zero sums: a zero gradient, as the
         # big batch's `divide_no_nan`.
         divisor = ops.where(ops.greater(total_weight, 0.0), total_weight, 1.0)
+        # The mean's norm from the sums, before the mean takes their place:
+        # read after it, XLA would keep every mean beside the sums.
+        self._accum_window_grad_norm.assign(
+            ops.divide(_global_norm(sums), divisor)
+        )
         means = self._accum_window_mean(sums, divisor)
         means = self._accum_store_means(
             [self._accum_sums[i] for i in summed], means
         )
         self._accum_window_loss.assign(ops.divide(loss_sum, divisor))
-        self._accum_window_grad_norm.assign(_global_norm(means))
         grads = dict(zip(summed, means))
         for i in present:
             if i not in totals:

@@ -52,6 +52,7 @@ CORE = [
     "tests/test_saving.py",
     "tests/test_reliability.py",
     "tests/test_window_state.py",
+    "tests/test_window_features.py",
     "tests/test_weighted_windows.py",
     "tests/test_schedules.py",
 ]

@@ -3,7 +3,10 @@ accumulating optimizer, checked after every step against an independent
 reference: a numpy model of the window and the parent Keras optimizer fed
 the window's (weighted) mean gradient. Drawn runs put the optimizer inside a
 `LossScaleOptimizer` (its loss scale modelled by hand), whose weights-only
-resume must keep the loss scale. Layers (nested `AccumBatchNormalization`)
+resume must keep the loss scale, and skip non-finite micro-batches
+(`skip_nonfinite`, or the `LossScaleOptimizer`'s own skip). The window's
+loss, gradient norm, samples seen and skip count are checked against the
+reference's. Layers (nested `AccumBatchNormalization`)
 are not part of this machine: they are a model's, tested in
 `test_holes.py`."""
 
@@ -41,6 +44,10 @@ weights = st.one_of(
 )
 # Weights no count is, or float32 cannot hold.
 bad_weights = st.sampled_from([-1.0, 0.0, 1e-50, 1e-40, 1e39, float("nan")])
+# A micro-batch's loss, or none given.
+losses = st.one_of(
+    st.none(), st.floats(0.0, 10.0, width=32, allow_subnormal=False)
+)
 grad_values = st.integers(0, 2**32 - 1).map(
     lambda seed: [
         np.random.default_rng(seed).normal(size=s).astype("float32")
@@ -54,20 +61,27 @@ class AccumulationMachine(RuleBasedStateMachine):
         name=st.sampled_from(sorted(CLASSES)),
         accum_iters=st.integers(2, 4),
         loss_scaled=st.booleans(),
+        skip_nonfinite=st.booleans(),
     )
-    def setup(self, name, accum_iters, loss_scaled):
+    def setup(self, name, accum_iters, loss_scaled, skip_nonfinite):
         keras.backend.clear_session(free_memory=False)
-        cls, parent_cls, self.options = CLASSES[name]
+        cls, parent_cls, options = CLASSES[name]
+        self.options = dict(options, skip_nonfinite=skip_nonfinite)
         self.cls, self.accum_iters = cls, accum_iters
         initial = [np.full(s, 0.5, "float32") for s in SHAPES]
         self.variables = [keras.Variable(v) for v in initial]
         self.optimizer = cls(accum_iters=accum_iters, **self.options)
         self.optimizer.build(self.variables)
         self.reference = [keras.Variable(v) for v in initial]
-        self.parent = parent_cls(**self.options)
+        self.parent = parent_cls(**options)
         self.parent.build(self.reference)
         self.window = []  # the reference's pending calls: lists with None
         self.weights = []  # and their weights (None counts 1)
+        self.losses = []  # and their losses (None: not given)
+        # The last applied window's loss and gradient norm, the total
+        # weight of the applied windows, the micro-batches skipped.
+        self.window_loss, self.window_grad_norm = 0.0, 0.0
+        self.samples, self.skipped = 0.0, 0
         self.frozen = False
         # The loss scale and its step counter, by hand: after `GROWTH`
         # finite steps the scale doubles (Keras' dynamic loss scaling).
@@ -107,9 +121,25 @@ class AccumulationMachine(RuleBasedStateMachine):
             [self.weights],
             updated=indices,
         )
-        self.window, self.weights = [], []
+        weights = [1.0 if w is None else w for w in self.weights]
+        if not indices:  # no update (a flush of frozen variables only)
+            self.window, self.weights, self.losses = [], [], []
+            return
+        if any(loss is None for loss in self.losses):
+            self.window_loss = float("nan")
+        else:
+            self.window_loss = np.average(self.losses, weights=weights)
+        squares = 0.0
+        for i in indices:
+            zero = np.zeros(SHAPES[i])
+            grads = [zero if g[i] is None else g[i] for g in self.window]
+            mean = np.average(np.asarray(grads, "float64"), 0, weights)
+            squares += float(np.sum(mean**2))
+        self.window_grad_norm = np.sqrt(squares)
+        self.samples += float(np.sum(np.asarray(weights, "float32")))
+        self.window, self.weights, self.losses = [], [], []
 
-    def _call(self, grads, subset, weight=None):
+    def _call(self, grads, subset, weight=None, loss=None):
         """One micro-step of ours and of the reference."""
         if self.frozen:
             grads = [None] + grads[1:]  # fit passes trainable ones only
@@ -118,8 +148,8 @@ class AccumulationMachine(RuleBasedStateMachine):
         tensor = keras.ops.convert_to_tensor
         if self.wrapper is not None:
             # Gradients of the scaled loss (powers of 2: unscaled exactly);
-            # `LossScaleOptimizer.apply` takes no `weight`.
-            weight = None
+            # `LossScaleOptimizer.apply` takes no `weight` (or `loss`).
+            weight = loss = None
             self._wrapper_apply(
                 [None if g is None else tensor(g * self.scale) for g in grads]
             )
@@ -133,37 +163,70 @@ class AccumulationMachine(RuleBasedStateMachine):
                 [tensor(grads[i]) for i in kept],
                 [self.variables[i] for i in kept],
                 weight=weight,
+                loss=loss,
             )
         else:
             self.optimizer.apply(
                 [None if g is None else tensor(g) for g in grads],
                 self.variables,
                 weight=weight,
+                loss=loss,
             )
         self.window.append(grads)
         self.weights.append(weight)
+        self.losses.append(loss)
         if len(self.window) == self.accum_iters:
             present = [i for i, g in enumerate(grads) if g is not None]
             self._reference_apply(present)
 
     # -- Rules -------------------------------------------------------------
 
-    @rule(grads=grad_values, weight=weights)
-    def apply_all(self, grads, weight):
-        self._call(grads, subset=False, weight=weight)
+    @rule(grads=grad_values, weight=weights, loss=losses)
+    def apply_all(self, grads, weight, loss):
+        self._call(grads, subset=False, weight=weight, loss=loss)
 
     @rule(
         grads=grad_values,
         missing=st.sets(st.integers(0, len(SHAPES) - 1), min_size=1),
         subset=st.booleans(),
         weight=weights,
+        loss=losses,
     )
-    def apply_some(self, grads, missing, subset, weight):
+    def apply_some(self, grads, missing, subset, weight, loss):
         self._call(
             [None if i in missing else g for i, g in enumerate(grads)],
             subset,
             weight,
+            loss,
         )
+
+    @precondition(
+        lambda self: self.options["skip_nonfinite"] or self.wrapper is not None
+    )
+    @rule(
+        grads=grad_values,
+        position=st.integers(0, len(SHAPES) - 1),
+        value=st.sampled_from([float("nan"), float("inf"), -float("inf")]),
+        weight=weights,
+    )
+    def apply_nonfinite(self, grads, position, value, weight):
+        # Left out: by the LossScaleOptimizer first (which halves its
+        # scale), or else by `skip_nonfinite`.
+        grads[position].flat[0] = value
+        if self.frozen:
+            grads = [None] + grads[1:]
+            if position == 0:
+                return  # the bad gradient is not passed
+        tensor = keras.ops.convert_to_tensor
+        passed = [None if g is None else tensor(g) for g in grads]
+        if self.wrapper is not None:
+            self._wrapper_apply(
+                [None if g is None else g * self.scale for g in passed]
+            )
+            self.scale, self.scale_steps = self.scale / 2, 0
+        else:
+            self.optimizer.apply(passed, self.variables, weight=weight)
+            self.skipped += 1
 
     @rule(
         grads=grad_values,
@@ -264,6 +327,19 @@ class AccumulationMachine(RuleBasedStateMachine):
             what="optimizer variable",
         )
         assert int(self.optimizer.micro_steps) == len(self.window)
+        assert int(self.optimizer.skipped_micro_batches) == self.skipped
+        np.testing.assert_allclose(
+            float(self.optimizer.samples_seen), self.samples, rtol=1e-6
+        )
+        np.testing.assert_allclose(
+            float(self.optimizer.window_loss), self.window_loss, rtol=1e-5
+        )
+        np.testing.assert_allclose(
+            float(self.optimizer.window_grad_norm),
+            self.window_grad_norm,
+            rtol=1e-5,
+            atol=1e-7,
+        )
         if self.wrapper is not None:
             scale = to_numpy([self.wrapper.dynamic_scale])[0]
             steps = to_numpy([self.wrapper.step_counter])[0]
