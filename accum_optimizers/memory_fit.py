@@ -336,7 +336,7 @@ def fit_to_memory(
         print(f"fit_to_memory: {plan}")
     optimizers = accumulating_optimizers(model.optimizer)
     order = _EpochOrder(_sample_count(data), shuffle, seed)
-    tracker = _Tracker()
+    tracker = _Tracker(optimizers)
     callbacks = [tracker, FlushAccumulation()] + list(callbacks or [])
     epoch, start = initial_epoch, 0
     model.stop_training = False
@@ -365,6 +365,9 @@ def fit_to_memory(
             epoch, start = end, 0
             continue
         epoch, start = tracker.epoch, tracker.position
+        if tracker.iterations is not None:
+            for optimizer, count in zip(optimizers, tracker.iterations):
+                optimizer.iterations.assign(np.array(count, "int64"))
         size = plan.micro_batch_size
         if size == 1 or not tracker.in_step:
             # Nothing smaller to try, or not a train step's (validation's):
@@ -811,11 +814,13 @@ class _Tracker(keras.callbacks.Callback):
     """Where training is: the epoch, the first sample of the micro-batch
     being trained, and each finished epoch's logs."""
 
-    def __init__(self):
+    def __init__(self, optimizers):
         super().__init__()
         self.logs = {}
         self.epoch = 0
         self.position = 0
+        self.iterations = None
+        self._optimizers = optimizers
         self._batches = None
 
     def begin(self, batches):
@@ -830,6 +835,17 @@ class _Tracker(keras.callbacks.Callback):
         self.position = self._batches.bounds[batch][0]
         self.in_step = True
         model = self.model
+        self.iterations = None
+        if backend.backend() == "tensorflow" and not all(
+            optimizer._accumulates for optimizer in self._optimizers
+        ):
+            # The parent optimizer's graph adds 1 to `iterations` without
+            # waiting for the step's gradients: a step that fails may have
+            # counted an update it did not apply.
+            self.iterations = [
+                int(ops.convert_to_numpy(optimizer.iterations))
+                for optimizer in self._optimizers
+            ]
         if backend.backend() == "jax" and not getattr(
             model, "_jax_state", None
         ):
