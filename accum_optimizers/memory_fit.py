@@ -584,12 +584,6 @@ def _set_window(model, optimizers, target, size):
     for optimizer in optimizers:
         optimizer.accum_iters = -(-target // size)
     model.train_function = None
-    if backend.backend() == "jax":
-        import jax
-
-        # JAX caches a trace by the function; a new `accum_iters` must not
-        # reuse one.
-        jax.clear_caches()
 
 
 def _continue_window(optimizers, plan, position):
