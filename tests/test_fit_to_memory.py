@@ -481,3 +481,39 @@ def test_steps_per_execution_above_one_is_refused():
     )
     with pytest.raises(ValueError, match="steps_per_execution=2"):
         fit_to_memory(model, x, y, target_batch_size=4, verbose=0)
+
+
+# -- The guide ------------------------------------------------------------
+
+
+@pytest.mark.backends("jax")
+def test_the_guides_example_prints_what_the_guide_shows():
+    import contextlib
+    import io
+    import re
+    from pathlib import Path
+
+    page = (
+        Path(__file__).resolve().parent.parent / "docs" / "fit-to-memory.md"
+    ).read_text()
+    title = "fit_to_memory against a memory limit"
+    code = re.search(
+        r'```python title="' + title + r'"\n(.*?)```', page, re.S
+    ).group(1)
+    shown = re.search(r"Its output .*?\n\n```text\n(.*?)```", page, re.S)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "fit-to-memory.md", "exec"), {})
+    printed = out.getvalue().splitlines()
+    expected = shown.group(1).splitlines()
+    # The plan and the probes' sizes and verdicts exactly; the peaks,
+    # losses and the round-off to the parent are those of this XLA.
+    assert printed[0].split(" (peak")[0] == expected[0].split(" (peak")[0]
+    assert [line.split(":")[0] for line in printed[1:7]] == [
+        line.split(":")[0] for line in expected[1:7]
+    ]
+    assert [line[-5:] for line in printed[1:7]] == [
+        line[-5:] for line in expected[1:7]
+    ]
+    difference = float(printed[-1].rsplit(" ", 1)[1])
+    assert difference < 1e-5
