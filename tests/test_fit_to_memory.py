@@ -517,3 +517,18 @@ def test_the_guides_example_prints_what_the_guide_shows():
     ]
     difference = float(printed[-1].rsplit(" ", 1)[1])
     assert difference < 1e-5
+
+
+@pytest.mark.backends("torch")
+def test_the_gpu_check_runs_and_matches_the_parent(capsys):
+    # On the CPU nothing runs out of memory: the smoke run starts from a
+    # micro-batch of 24 for a target of 64 (windows of 24, 24, 16).
+    from benchmarks import fit_to_memory_gpu
+
+    (row,) = fit_to_memory_gpu.main(["--smoke", "--backends", "torch"])
+    assert (row["ours"]["micro_batch_size"], row["ours"]["accum_iters"]) == (
+        24,
+        3,
+    )
+    assert row["max_abs_difference"] < 1e-5
+    assert "largest weight difference" in capsys.readouterr().out
