@@ -337,7 +337,7 @@ def fit_to_memory(
     optimizers = accumulating_optimizers(model.optimizer)
     order = _EpochOrder(_sample_count(data), shuffle, seed)
     tracker = _Tracker(optimizers)
-    callbacks = [tracker, FlushAccumulation()] + list(callbacks or [])
+    callbacks = [tracker] + _with_flush(callbacks)
     epoch, start = initial_epoch, 0
     model.stop_training = False
     while epoch < epochs and not model.stop_training:
@@ -493,6 +493,21 @@ def _prepared_optimizers(model):
                     f"micro_steps={pending}"
                 )
     return optimizers
+
+
+def _with_flush(callbacks):
+    """`callbacks` with a `FlushAccumulation` that flushes every epoch: the
+    epoch's short last window is the parent's short last batch."""
+    callbacks = list(callbacks or [])
+    flushes = [c for c in callbacks if isinstance(c, FlushAccumulation)]
+    for flush in flushes:
+        if not flush.every_epoch:
+            raise ValueError(
+                "fit_to_memory applies each epoch's short last window at "
+                "the epoch's end, as the parent applies its short last "
+                "batch. Received: FlushAccumulation(every_epoch=False)"
+            )
+    return callbacks if flushes else [FlushAccumulation()] + callbacks
 
 
 def _inner_count(optimizer):
@@ -840,12 +855,13 @@ class _Tracker(keras.callbacks.Callback):
                 int(ops.convert_to_numpy(optimizer.iterations))
                 for optimizer in self._optimizers
             ]
-        if backend.backend() == "jax" and not getattr(
-            model, "_jax_state", None
+        if backend.backend() == "jax" and getattr(
+            model, "_jax_state_synced", False
         ):
-            # JAX's `fit` takes the state off the variables before its
-            # first step and puts back what its last step returned: a first
-            # step that fails would leave none. Its state is this one.
+            # JAX's `fit` is about to take the state off the variables; if
+            # the step fails, it puts back `_jax_state`, which holds an
+            # older state (a probe's, or the epoch's before its flush) or
+            # none. The state is the variables'.
             model._jax_state = {
                 "trainable_variables": _values(model.trainable_variables),
                 "non_trainable_variables": _values(

@@ -287,6 +287,95 @@ def test_out_of_memory_on_the_first_step_of_a_fit_keeps_the_state():
     )
 
 
+def test_out_of_memory_on_the_first_step_after_probes_keeps_the_state():
+    # Probes (calls 0-3: micro-batches 14, 7, 4, 5) leave a trained
+    # state behind them in Keras' JAX trainer; the first training step
+    # (call 4) fails.
+    x, y = regression_data(11, 45)
+    model = ours()
+    Injector(model, [(0, 5), (4, 3)])
+    history = fit_to_memory(
+        model, x, y, target_batch_size=14, shuffle=False, verbose=0
+    )
+    assert [size for size, _, _ in history.plan.probes] == [14, 7, 4, 5]
+    assert history.plan.recoveries == [(0, 0, 5, 3)]
+    assert_same_weights(
+        model, parent_run(x, y, 14, epochs=1), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_out_of_memory_on_an_epochs_first_step_after_a_flush_keeps_it():
+    # 21 samples, windows of 14 and 7: epoch 0's last window (call 2) is
+    # applied by the epoch's flush; epoch 1's first step (call 3) fails.
+    x, y = regression_data(12, 21)
+    model = ours()
+    Injector(model, [(3, 4)])
+    history = fit_to_memory(
+        model,
+        x,
+        y,
+        target_batch_size=14,
+        micro_batch_size=7,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+    )
+    assert history.plan.recoveries == [(1, 0, 7, 4)]
+    assert_same_weights(
+        model, parent_run(x, y, 14, epochs=2), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_validation_and_a_users_flush_callback_survive_a_recovery():
+    from accum_optimizers import FlushAccumulation
+
+    x, y = regression_data(13, 24)
+    model = ours()
+    Injector(model, [(3, 4)])
+    history = fit_to_memory(
+        model,
+        x,
+        y,
+        target_batch_size=8,
+        micro_batch_size=8,
+        epochs=2,
+        shuffle=False,
+        callbacks=[FlushAccumulation()],
+        validation_data=(x[:8], y[:8]),
+        verbose=0,
+    )
+    assert history.epoch == [0, 1]
+    assert len(history.history["val_loss"]) == 2
+    parent = parent_run(x, y, 8, epochs=2)
+    assert_same_weights(model, parent, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        history.history["val_loss"][-1],
+        parent.evaluate(x[:8], y[:8], verbose=0),
+        rtol=1e-5,
+    )
+
+
+def test_inputs_may_be_dicts_of_arrays():
+    x, y = regression_data(14, 20)
+    inputs = keras.Input((4,), name="features")
+    keras.utils.set_random_seed(0)
+    hidden = keras.layers.Dense(6, activation="tanh")(inputs)
+    model = keras.Model({"features": inputs}, keras.layers.Dense(2)(hidden))
+    model.compile(optimizer=AdamAccumulate(0.01), loss="mse")
+    Injector(model, [(0, 4)])
+    history = fit_to_memory(
+        model,
+        {"features": x},
+        y,
+        target_batch_size=10,
+        shuffle=False,
+        verbose=0,
+    )
+    assert history.plan.micro_batch_size == 4
+    reference = parent_run(x, y, 10, epochs=1)
+    assert_same_weights(model, reference, rtol=1e-5, atol=1e-6)
+
+
 def test_other_errors_propagate_unchanged():
     x, y = regression_data(7, 16)
     model = ours()
