@@ -35,6 +35,7 @@ import numpy as np
 from keras import backend
 from keras import ops
 
+from accum_optimizers import _keras_private
 from accum_optimizers import schedules
 from accum_optimizers.callbacks import FlushAccumulation
 from accum_optimizers.weighting import accumulating_optimizers
@@ -586,8 +587,7 @@ def _build(model, optimizers, data):
     for optimizer in optimizers:
         if not optimizer.built:
             optimizer.accum_iters = max(2, optimizer.accum_iters)
-    # Keras' own build before a first step (`train_on_batch` runs it).
-    model._symbolic_build(data_batch=_head(data, 1))
+    _keras_private.symbolic_build(model, _head(data, 1))
     for optimizer in optimizers:
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
@@ -855,31 +855,19 @@ class _Tracker(keras.callbacks.Callback):
                 int(ops.convert_to_numpy(optimizer.iterations))
                 for optimizer in self._optimizers
             ]
-        if backend.backend() == "jax" and getattr(
-            model, "_jax_state_synced", False
+        if backend.backend() == "jax" and (
+            _keras_private.jax_fit_takes_state_from_variables(model)
         ):
-            # JAX's `fit` is about to take the state off the variables; if
-            # the step fails, it puts back `_jax_state`, which holds an
-            # older state (a probe's, or the epoch's before its flush) or
-            # none. The state is the variables'.
-            model._jax_state = {
-                "trainable_variables": _values(model.trainable_variables),
-                "non_trainable_variables": _values(
-                    model.non_trainable_variables
-                ),
-                "optimizer_variables": _values(model.optimizer.variables),
-                "metrics_variables": _values(model.metrics_variables),
-            }
+            # If the step fails, `fit` puts back a state it holds: an older
+            # one (a probe's, or the epoch's before its flush) or none. The
+            # state is the variables'.
+            _keras_private.set_jax_state_to_variables(model)
 
     def on_train_batch_end(self, batch, logs=None):
         self.in_step = False
 
     def on_epoch_end(self, epoch, logs=None):
         self.logs[epoch] = dict(logs or {})
-
-
-def _values(variables):
-    return [variable.value for variable in variables]
 
 
 def _bytes(count):
