@@ -27,9 +27,6 @@ to what the window's remaining samples need at the new size (double, for
 an even `b` that divides `T`).
 """
 
-import gc
-import re
-
 import keras
 import numpy as np
 from keras import backend
@@ -37,22 +34,15 @@ from keras import ops
 
 from accum_optimizers import _keras_private
 from accum_optimizers import schedules
+from accum_optimizers._memory import compiled_peak
+from accum_optimizers._memory import format_bytes
+from accum_optimizers._memory import free_memory
+from accum_optimizers._memory import is_out_of_memory
+from accum_optimizers._memory import memory_limit_bytes
+from accum_optimizers._memory import probe
 from accum_optimizers.callbacks import FlushAccumulation
 from accum_optimizers.weighting import accumulating_optimizers
 from accum_optimizers.weighting import weigh_micro_batches
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
 
 
 class MicroBatchPlan:
@@ -100,14 +90,18 @@ class MicroBatchPlan:
         return -(-self.target_batch_size // self.micro_batch_size)
 
     def __repr__(self):
-        peak = "unknown" if self.peak_bytes is None else _bytes(self.peak_bytes)
+        peak = (
+            "unknown"
+            if self.peak_bytes is None
+            else format_bytes(self.peak_bytes)
+        )
         text = (
             f"micro-batch {self.micro_batch_size} x accum_iters "
             f"{self.accum_iters} for target batch {self.target_batch_size} "
             f"(peak {peak}"
         )
         if self.memory_limit is not None:
-            text += f" of limit {_bytes(self.memory_limit)}"
+            text += f" of limit {format_bytes(self.memory_limit)}"
         text += f"; {self.method})"
         if self.recoveries:
             text += f", {len(self.recoveries)} out-of-memory recoveries"
@@ -155,7 +149,7 @@ def plan_micro_batch(
         A `MicroBatchPlan`.
     """
     target = _positive_int("target_batch_size", target_batch_size)
-    limit = _memory_limit(memory_limit)
+    limit = memory_limit_bytes(memory_limit)
     if micro_batch_size is not None:
         micro_batch_size = _positive_int("micro_batch_size", micro_batch_size)
         if micro_batch_size > target:
@@ -181,14 +175,14 @@ def plan_micro_batch(
         _set_window(model, optimizers, target, micro_batch_size)
         peak = None
         if backend.backend() == "jax":
-            peak = _compiled_peak(model, _head(data, micro_batch_size))
+            peak = compiled_peak(model, _head(data, micro_batch_size))
         return MicroBatchPlan(target, micro_batch_size, peak, limit)
 
     if limit is not None:
 
         def fits(size):
             _set_window(model, optimizers, target, size)
-            peak = _compiled_peak(model, _head(data, size))
+            peak = compiled_peak(model, _head(data, size))
             return peak <= limit, peak
 
         method = "memory_analysis"
@@ -196,7 +190,7 @@ def plan_micro_batch(
 
         def fits(size):
             _set_window(model, optimizers, target, size)
-            return _probe(model, optimizers, _head(data, min(size, count)))
+            return probe(model, optimizers, _head(data, min(size, count)))
 
         method = "out_of_memory_probes"
     probes = []
@@ -375,7 +369,7 @@ def fit_to_memory(
             # the epoch's training already ended.
             raise error
         del error  # its traceback holds the failed step's buffers
-        _free_memory(model)
+        free_memory(model)
         new_size = -(-size // 2)
         plan.recoveries.append((epoch, start, size, new_size))
         plan.micro_batch_size = new_size
@@ -424,29 +418,6 @@ def _non_negative_int(name, value):
             f"`{name}` must be an integer >= 0. Received: {name}={value!r}"
         )
     return int(value)
-
-
-def _memory_limit(value):
-    """`value` in bytes (an int), or `None`."""
-    if value is None:
-        return None
-    number = value
-    if isinstance(value, str):
-        match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", value)
-        unit = match and _UNITS.get(match.group(2).lower())
-        number = unit and float(match.group(1)) * unit
-    if (
-        isinstance(number, bool)
-        or not isinstance(number, (int, float, np.number))
-        or not np.isfinite(number)
-        or number < 1
-    ):
-        raise ValueError(
-            "`memory_limit` must be a number of bytes >= 1 (an int, or a "
-            "string such as '12GiB' or '500MB'). Received: "
-            f"memory_limit={value!r}"
-        )
-    return int(number)
 
 
 def _prepared_optimizers(model):
@@ -615,149 +586,6 @@ def _continue_window(optimizers, plan, position):
 # -- Probes -----------------------------------------------------------------
 
 
-def _state_variables(model):
-    return (
-        list(model.trainable_variables)
-        + list(model.non_trainable_variables)
-        + list(model.optimizer.variables)
-        + list(model.metrics_variables)
-    )
-
-
-def _probe(model, optimizers, batch):
-    """`(fits, peak_bytes)` of one train step on `batch`: the window's last
-    micro-step, run from the state copied to the host, and put back."""
-    variables = _state_variables(model)
-    saved = [np.array(ops.convert_to_numpy(v.value)) for v in variables]
-    for optimizer in optimizers:
-        if optimizer._accumulates:
-            closing = np.array(optimizer.accum_iters - 1, "int32")
-            optimizer._accum_micro_steps.assign(closing)
-    _reset_peak()
-    fits = True
-    try:
-        model.train_on_batch(*batch)
-        peak = _allocator_peak()
-    except Exception as error:
-        if not is_out_of_memory(error):
-            raise
-        fits, peak = False, None
-    finally:
-        for variable, value in zip(variables, saved):
-            variable.assign(value)
-    if not fits:
-        _free_memory(model)
-    elif backend.backend() == "jax":
-        peak = _compiled_peak(model, batch)
-    return fits, peak
-
-
-def is_out_of_memory(error):
-    """Whether `error` is the backend's out-of-memory error: TensorFlow's
-    `ResourceExhaustedError`, a JAX runtime error with status
-    `RESOURCE_EXHAUSTED`, or torch's `OutOfMemoryError`."""
-    name = backend.backend()
-    if name == "tensorflow":
-        import tensorflow as tf
-
-        return isinstance(error, tf.errors.ResourceExhaustedError)
-    if name == "jax":
-        import jax
-
-        return isinstance(error, jax.errors.JaxRuntimeError) and (
-            "RESOURCE_EXHAUSTED" in str(error)
-        )
-    if name == "torch":
-        import torch
-
-        return isinstance(error, torch.OutOfMemoryError)
-    return False
-
-
-def _free_memory(model):
-    """Drops what a failed step held: its traced functions and the
-    allocator's cached blocks."""
-    model.train_function = None
-    gc.collect()
-    if backend.backend() == "jax":
-        import jax
-
-        jax.clear_caches()
-    elif backend.backend() == "torch":
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
-
-def _gpu():
-    if backend.backend() == "torch":
-        import torch
-
-        return torch.cuda.is_available()
-    if backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        return bool(tf.config.list_logical_devices("GPU"))
-    return False
-
-
-def _reset_peak():
-    if not _gpu():
-        return
-    if backend.backend() == "torch":
-        import torch
-
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        import tensorflow as tf
-
-        tf.config.experimental.reset_memory_stats("GPU:0")
-
-
-def _allocator_peak():
-    """The allocator's peak since `_reset_peak` on a GPU, else `None`."""
-    if not _gpu():
-        return None
-    if backend.backend() == "torch":
-        import torch
-
-        torch.cuda.synchronize()
-        return int(torch.cuda.max_memory_allocated())
-    import tensorflow as tf
-
-    return int(tf.config.experimental.get_memory_info("GPU:0")["peak"])
-
-
-def _compiled_peak(model, batch):
-    """Peak bytes of Keras' JAX train step on `batch`'s shapes, compiled as
-    `fit` compiles it (state donated), from XLA's memory analysis:
-    arguments + outputs - aliased + temporaries. Nothing runs."""
-    import jax
-
-    state = tuple(
-        [v.value for v in variables]
-        for variables in (
-            model.trainable_variables,
-            model.non_trainable_variables,
-            model.optimizer.variables,
-            model.metrics_variables,
-        )
-    )
-    shapes = _map(
-        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), batch
-    )
-    step = jax.jit(model.train_step, donate_argnums=0)
-    analysis = step.lower(state, shapes).compile().memory_analysis()
-    return int(
-        analysis.argument_size_in_bytes
-        + analysis.output_size_in_bytes
-        - analysis.alias_size_in_bytes
-        + analysis.temp_size_in_bytes
-    )
-
-
 # -- Training ---------------------------------------------------------------
 
 
@@ -868,10 +696,3 @@ class _Tracker(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.logs[epoch] = dict(logs or {})
-
-
-def _bytes(count):
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if count >= scale:
-            return f"{count / scale:.2f} {unit}"
-    return f"{count} B"

@@ -23,7 +23,7 @@ from accum_optimizers import AdamAccumulate
 from accum_optimizers import MicroBatchPlan
 from accum_optimizers import fit_to_memory
 from accum_optimizers import plan_micro_batch
-from accum_optimizers.memory_fit import is_out_of_memory
+from accum_optimizers._memory import is_out_of_memory
 
 BACKEND = keras.backend.backend()
 
@@ -521,11 +521,11 @@ def test_a_bad_memory_limit_is_refused_by_name(limit):
 
 
 def test_memory_limit_strings_carry_units():
-    from accum_optimizers.memory_fit import _memory_limit
+    from accum_optimizers._memory import memory_limit_bytes
 
-    assert _memory_limit("2GiB") == 2 * 2**30
-    assert _memory_limit("500 MB") == 500 * 10**6
-    assert _memory_limit(1234) == 1234
+    assert memory_limit_bytes("2GiB") == 2 * 2**30
+    assert memory_limit_bytes("500 MB") == 500 * 10**6
+    assert memory_limit_bytes(1234) == 1234
 
 
 def test_a_micro_batch_larger_than_the_target_is_refused():
