@@ -53,7 +53,7 @@ class MicroBatchPlan:
         micro_batch_size: the micro-batch (a window's last one may be
             shorter). After `fit_to_memory`, the one training ended with.
         accum_iters: micro-batches per window, `ceil(target / micro)`.
-        peak_bytes: the peak memory of the chosen train step: XLA's memory
+        peak_bytes: the peak memory of the planned train step: XLA's memory
             analysis on JAX, the allocator's peak over the step on a GPU
             (TensorFlow, torch); `None` where neither is available (the
             CPU, without JAX).
@@ -291,7 +291,8 @@ def fit_to_memory(
         seed: Optional integer seed of the permutations. Defaults to
             `None`: `0`.
         callbacks: Optional list of Keras callbacks. A
-            `FlushAccumulation` is added.
+            `FlushAccumulation` is added unless the list holds one (which
+            must flush every epoch).
         validation_data: Optional `(x_val, y_val)` or `(x_val, y_val,
             sample_weight_val)`, evaluated at each epoch's end at the
             micro-batch size.
