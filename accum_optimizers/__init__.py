@@ -24,6 +24,9 @@ from accum_optimizers import optimizers as _optimizers  # noqa: E402
 from accum_optimizers.callbacks import AccumulationLogger  # noqa: E402
 from accum_optimizers.callbacks import FlushAccumulation  # noqa: E402
 from accum_optimizers.layers import AccumBatchNormalization  # noqa: E402
+from accum_optimizers.memory_fit import MicroBatchPlan  # noqa: E402
+from accum_optimizers.memory_fit import fit_to_memory  # noqa: E402
+from accum_optimizers.memory_fit import plan_micro_batch  # noqa: E402
 from accum_optimizers.optimizers import AdadeltaAccumulate  # noqa: E402
 from accum_optimizers.optimizers import AdafactorAccumulate  # noqa: E402
 from accum_optimizers.optimizers import AdagradAccumulate  # noqa: E402
@@ -61,12 +64,15 @@ __all__ = [
     "FtrlAccumulate",
     "LambAccumulate",
     "LionAccumulate",
+    "MicroBatchPlan",
     "MuonAccumulate",
     "NadamAccumulate",
     "RMSpropAccumulate",
     "SGDAccumulate",
     "accumulating",
+    "fit_to_memory",
     "load_training_state",
+    "plan_micro_batch",
     "weigh_micro_batches",
 ]
 __all__ += sorted(set(_optimizers.OPTIMIZER_CLASSES) - set(__all__))

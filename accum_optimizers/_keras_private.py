@@ -54,6 +54,10 @@ arrived in Keras 3.14 (3.13.2 has no `renorm`): read it with
 Loss internals used by `weigh_micro_batches` (`weighting.py`): see
 `LOSS_MODULE_FUNCTIONS` below.
 
+Trainer internals used by `fit_to_memory` (`memory_fit.py`):
+`_symbolic_build` and JAX's `_jax_state` / `_jax_state_synced` (see
+`symbolic_build` and the functions after it).
+
 Versions: `check_keras_version` refuses a Keras older than 3.10 (3.9 lacks
 `keras.Variable(synchronization=...)`), Keras 2, and `tf.keras` routed to
 Keras 2 by `TF_USE_LEGACY_KERAS`. Optimizers Keras added after 3.10 are in
@@ -412,3 +416,35 @@ def _recording_reduce_weighted_values(
         reduction=reduction,
         dtype=dtype,
     )
+
+
+# -- Trainer internals used by `fit_to_memory` (`memory_fit.py`) -------------
+#
+# `Trainer._symbolic_build(data_batch=...)`: builds the model, its compiled
+# loss and metrics, and the optimizer from one batch, without a step (what
+# `train_on_batch` runs first). JAX's trainer: `fit` takes the state off
+# the variables before a step when `_jax_state_synced` is true, and on an
+# error puts `_jax_state` back on them (`jax_state_sync`).
+
+
+def symbolic_build(model, data_batch):
+    """Builds `model` (layers, loss, metrics, optimizer) from
+    `data_batch`, a `(x, y, sample_weight)` tuple, as `fit` would."""
+    model._symbolic_build(data_batch=data_batch)
+
+
+def jax_fit_takes_state_from_variables(model):
+    """JAX: whether `fit`'s next step takes the state off the variables."""
+    return bool(getattr(model, "_jax_state_synced", False))
+
+
+def set_jax_state_to_variables(model):
+    """JAX: makes the state `fit` puts back on an error the variables'."""
+    model._jax_state = {
+        "trainable_variables": [v.value for v in model.trainable_variables],
+        "non_trainable_variables": [
+            v.value for v in model.non_trainable_variables
+        ],
+        "optimizer_variables": [v.value for v in model.optimizer.variables],
+        "metrics_variables": [v.value for v in model.metrics_variables],
+    }

@@ -385,3 +385,42 @@ def test_fit_reads_its_logs_after_the_last_batch_and_before_validation():
     first = events.index("logs")
     assert events[:first] == ["batch", "batch"]
     assert first < events.index("validation") < events.index("epoch_end")
+
+
+def test_symbolic_build_builds_the_model_loss_metrics_and_optimizer():
+    model = keras.Sequential([keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    x = np.ones((1, 3), "float32")
+    _keras_private.symbolic_build(model, (x, x[:, :1], None))
+    assert model.built and model.optimizer.built
+    assert model.metrics_variables
+
+
+@pytest.mark.backends("jax")
+def test_jax_fit_puts_the_state_it_holds_back_when_a_step_fails():
+    # `fit_to_memory` recovers from a step that failed right after `fit`
+    # took the state off the variables: the state `fit` puts back is the
+    # one `set_jax_state_to_variables` set.
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((4, 2), "float32")
+    model.fit(x, x[:, :1], verbose=0)
+    kernel = np.array(model.layers[0].kernel.numpy())
+    seen = []
+
+    class SetAndFail(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            seen.append(
+                _keras_private.jax_fit_takes_state_from_variables(model)
+            )
+            _keras_private.set_jax_state_to_variables(model)
+
+    def failing_step(state, data):
+        raise RuntimeError("the step failed")
+
+    model.train_step = failing_step
+    model.train_function = None
+    with pytest.raises(RuntimeError, match="the step failed"):
+        model.fit(x, x[:, :1], callbacks=[SetAndFail()], verbose=0)
+    assert seen == [True]
+    np.testing.assert_array_equal(model.layers[0].kernel.numpy(), kernel)
