@@ -61,6 +61,8 @@ from accum_optimizers import _loss_scale  # noqa: F401
 from accum_optimizers import _multi_optimizer  # noqa: F401
 from accum_optimizers import schedules
 from accum_optimizers._backend import BackendAccumulation
+from accum_optimizers._finite import all_finite
+from accum_optimizers._finite import masked
 from accum_optimizers._restore import WINDOW_STATE
 from accum_optimizers._restore import Layout
 from accum_optimizers._restore import is_empty
@@ -488,7 +490,7 @@ class GradientAccumulation(BackendAccumulation):
             self._accum_total_weight.assign(
                 ops.add(
                     self._accum_total_weight.value,
-                    _masked(weight_or_1, finite),
+                    masked(weight_or_1, finite),
                 )
             )
             self._accum_add_loss(loss, weight_or_1, finite)
@@ -496,7 +498,7 @@ class GradientAccumulation(BackendAccumulation):
             # weighed the loss already.
             grads_weight = None if scaled else weight
             if finite is not None:
-                grads = [_masked(g, finite) for g in grads]
+                grads = [masked(g, finite) for g in grads]
                 self._accum_skipped.assign(self._accum_skipped + 1 - step)
             # counter: one more micro-batch in the window.
             micro_steps = self._accum_micro_steps + step
@@ -533,7 +535,7 @@ class GradientAccumulation(BackendAccumulation):
             loss = float("nan")
         weighed = ops.multiply(ops.cast(loss, "float32"), weight)
         self._accum_loss_sum.assign(
-            ops.add(self._accum_loss_sum.value, _masked(weighed, finite))
+            ops.add(self._accum_loss_sum.value, masked(weighed, finite))
         )
 
     def apply_gradients(self, grads_and_vars, *, weight=None):
@@ -1015,36 +1017,6 @@ def _check_shape(grad, variable):
             f"{dims}, but the variable has shape {expected}; they must be "
             "equal (a gradient is never broadcast)."
         )
-
-
-def _masked(value, finite):
-    """`value` where `finite` (a traced scalar bool) holds, else zeros;
-    `value` itself when `finite` is `None`."""
-    if finite is None or value is None:
-        return value
-    if hasattr(value, "dense_shape"):  # tf.IndexedSlices
-        values = ops.where(finite, value.values, ops.zeros_like(value.values))
-        return type(value)(values, value.indices, value.dense_shape)
-    value = ops.convert_to_tensor(value)
-    return ops.where(finite, value, ops.zeros_like(value))
-
-
-def all_finite(grads):
-    """A scalar bool: whether every entry of every gradient (`None`s
-    ignored) is finite."""
-    checks = [
-        ops.all(ops.isfinite(_dense_values(grad)))
-        for grad in grads
-        if grad is not None
-    ]
-    if not checks:
-        return ops.convert_to_tensor(True)
-    return ops.all(ops.stack(checks))
-
-
-def _dense_values(grad):
-    """A gradient's entries: an `IndexedSlices`' values, or itself."""
-    return grad.values if hasattr(grad, "dense_shape") else grad
 
 
 def _global_norm(tensors):

@@ -31,7 +31,13 @@ Behaviour of Keras' optimizers and trainers that the mixin relies on:
   inside a `StatelessScope`, so the accumulating `apply` runs there too.
 - `fit`'s train step calls `optimizer.scale_loss(loss)` and then
   `optimizer.apply(...)` for the same micro-batch, on the same thread
-  (`weigh_micro_batches` hands the weight from one to the other).
+  (`weigh_micro_batches` hands the weight from one to the other, and the
+  optimizer the loss, for `window_loss`). On JAX `scale_loss` runs inside
+  `jax.value_and_grad`: the loss is read instead from the train step's
+  local `unscaled_loss` (`jax_train_step_loss`).
+- `MultiOptimizer` (`optimizers`, `apply`, `scale_loss`) and
+  `LossScaleOptimizer` (`inner_optimizer`, `apply`, `stateless_apply`,
+  `scale_loss`) are patched by `_multi_optimizer.py` and `_loss_scale.py`.
 
 `keras.Variable._layout`: the `keras.distribution` layout of a variable
 (`None` without one), which the window's sums copy from their variable

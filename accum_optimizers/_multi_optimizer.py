@@ -16,6 +16,8 @@ import threading
 
 import keras
 
+from accum_optimizers._finite import all_finite
+
 
 def _accumulating(multi_optimizer):
     from accum_optimizers._accumulation import GradientAccumulation
@@ -43,8 +45,6 @@ def install():
     def agreeing_apply(self, grads, trainable_variables=None):
         skipping = [o for o in _accumulating(self) if o.skip_nonfinite]
         if skipping and len(grads):
-            from accum_optimizers._accumulation import all_finite
-
             finite = all_finite(grads)
             for optimizer in skipping:
                 optimizer._accum_finite_of_threads()[threading.get_ident()] = (

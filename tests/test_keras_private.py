@@ -332,6 +332,28 @@ def test_fit_calls_scale_loss_then_apply_on_one_thread():
     assert all(first[1] == second[1] for first, second in pairs)
 
 
+@pytest.mark.backends("jax")
+def test_jax_train_step_loss_is_the_loss_keras_computed():
+    # The JAX train step's `unscaled_loss`, read from the optimizer's
+    # `apply`. Its value is checked against the model's own loss on the
+    # big batch by test_window_features.py, in every compatibility leg.
+    losses = []
+
+    class Reading(keras.optimizers.SGD):
+        def apply(self, grads, trainable_variables=None):
+            losses.append(_keras_private.jax_train_step_loss())
+            return super().apply(grads, trainable_variables)
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer=Reading(learning_rate=0.0), loss="mse")
+    x = np.arange(8, dtype="float32").reshape(4, 2)
+    y = np.ones((4, 1), "float32")
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    assert len(losses) == 1 and losses[0] is not None
+    assert tuple(losses[0].shape) == ()  # a scalar tracer of the step
+    assert _keras_private.jax_train_step_loss() is None  # outside a step
+
+
 def test_sublayers_reach_a_layer_inside_a_custom_layer():
     class Block(keras.layers.Layer):
         def __init__(self):

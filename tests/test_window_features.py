@@ -597,3 +597,17 @@ def test_a_multi_optimizer_hands_fit_s_loss_to_every_inner_optimizer():
     # big batch's.
     together = np.hypot(*[float(to_numpy(o.window_grad_norm)) for o in inner])
     np.testing.assert_allclose(together, norm, 1e-4)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_finite_gradients_whose_sum_overflows_are_kept(mode):
+    # The quick test sums each gradient: 2e38 + 2e38 overflows float32, and
+    # the exact test must then find every entry finite.
+    ours = SGDAccumulate(learning_rate=0.1, accum_iters=3, skip_nonfinite=True)
+    variables = _variables()
+    step = applier(ours, variables, mode)
+    huge = [np.full(s, 2e38, "float32") for s in SHAPES]
+    step(huge)
+    step(_gradients(25, 1, bad=(0,))[0])
+    assert int(to_numpy(ours.skipped_micro_batches)) == 1
+    assert int(to_numpy(ours.micro_steps)) == 1
