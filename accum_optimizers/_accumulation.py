@@ -462,71 +462,82 @@ class GradientAccumulation(BackendAccumulation):
         grads = self._accum_gradients_of_every_variable(
             grads, trainable_variables
         )
-        has_gradient = [g is not None for g in grads]
         overwrite = [
             self._overwrite_variable_with_gradient(v)
             for v in self._trainable_variables
         ]
         summed = [i for i, over in enumerate(overwrite) if not over]
+
+        def micro_step(finite):
+            self._accum_take_micro_step(
+                grads, summed, overwrite, weight, scaled, loss, finite
+            )
+
         with keras.name_scope(self.name, caller=self), self._accum_after(grads):
-            finite = None
-            if self.skip_nonfinite:
-                finite = self._accum_finite_of_threads().pop(
-                    threading.get_ident(), None
-                )
-                if finite is None:
-                    finite = all_finite(grads)
-                finite = self._accum_agree_finite(finite)
-                if concrete_value(finite) is not None:
-                    if not bool(concrete_value(finite)):
-                        self._accum_skipped.assign(self._accum_skipped + 1)
-                        return
-                    finite = None  # Known finite: nothing to mask.
-            # In compiled code a skipped micro-batch runs the same ops,
-            # masked by `finite`, so that no branch of the step writes
-            # variables (see `_backend`).
-            weight_or_1 = 1.0 if weight is None else ops.cast(weight, "float32")
-            step = 1 if finite is None else ops.cast(finite, "int32")
-            self._accum_total_weight.assign(
-                ops.add(
-                    self._accum_total_weight.value,
-                    masked(weight_or_1, finite),
-                )
+            if not self.skip_nonfinite:
+                return micro_step(None)
+            finite = self._accum_finite_of_threads().pop(
+                threading.get_ident(), None
             )
-            self._accum_add_loss(loss, weight_or_1, finite)
-            # The gradients to multiply by `weight`, unless `scale_loss`
-            # weighed the loss already.
-            grads_weight = None if scaled else weight
-            if finite is not None:
-                grads = [masked(g, finite) for g in grads]
-                self._accum_skipped.assign(self._accum_skipped + 1 - step)
-            # counter: one more micro-batch in the window.
-            micro_steps = self._accum_micro_steps + step
-            self._accum_micro_steps.assign(micro_steps)
-            self._accum_micro_batches.assign(self._accum_micro_batches + step)
-            new_window = ops.equal(micro_steps, 1)
-            # update_switch: the window is full.
-            update_switch = ops.greater_equal(
-                micro_steps, self._accum_window_size()
-            )
-            if finite is not None:
-                new_window = ops.logical_and(new_window, finite)
-                update_switch = ops.logical_and(update_switch, finite)
-            self._accum_mark_seen(has_gradient, new_window, finite)
-            for i in np.flatnonzero(overwrite):
-                self._accum_keep_maximum(self._accum_sums[i], grads[i], finite)
-            # accumulate, or add and apply on the window's last micro-step.
-            self._accum_micro_step(
-                [self._accum_sums[i] for i in summed],
-                [grads[i] for i in summed],
-                new_window,
-                update_switch,
-                lambda totals: self._accum_apply_window(
-                    dict(zip(summed, totals)),
-                    [i for i, has in enumerate(has_gradient) if has],
-                ),
-                grads_weight,
-            )
+            if finite is None:
+                finite = all_finite(grads)
+            finite = self._accum_agree_finite(finite)
+            known = concrete_value(finite)
+            if known is None:
+                # In compiled code: a branch where the backend's branches
+                # may write variables, else the same ops masked by
+                # `finite` (see `_backend`).
+                return self._accum_if_finite(finite, micro_step)
+            if bool(known):
+                return micro_step(None)
+            self._accum_skipped.assign(self._accum_skipped + 1)
+
+    def _accum_take_micro_step(
+        self, grads, summed, overwrite, weight, scaled, loss, finite
+    ):
+        """The state changes of one micro-step, laid out by `_accum_apply`;
+        with `finite` (a traced scalar bool) they change nothing but the
+        skip count where it is false."""
+        has_gradient = [g is not None for g in grads]
+        weight_or_1 = 1.0 if weight is None else ops.cast(weight, "float32")
+        step = 1 if finite is None else ops.cast(finite, "int32")
+        self._accum_total_weight.assign(
+            ops.add(self._accum_total_weight.value, masked(weight_or_1, finite))
+        )
+        self._accum_add_loss(loss, weight_or_1, finite)
+        # The gradients to multiply by `weight`, unless `scale_loss`
+        # weighed the loss already.
+        grads_weight = None if scaled else weight
+        if finite is not None:
+            grads = [masked(g, finite) for g in grads]
+            self._accum_skipped.assign(self._accum_skipped + 1 - step)
+        # counter: one more micro-batch in the window.
+        micro_steps = self._accum_micro_steps + step
+        self._accum_micro_steps.assign(micro_steps)
+        self._accum_micro_batches.assign(self._accum_micro_batches + step)
+        new_window = ops.equal(micro_steps, 1)
+        # update_switch: the window is full.
+        update_switch = ops.greater_equal(
+            micro_steps, self._accum_window_size()
+        )
+        if finite is not None:
+            new_window = ops.logical_and(new_window, finite)
+            update_switch = ops.logical_and(update_switch, finite)
+        self._accum_mark_seen(has_gradient, new_window, finite)
+        for i in np.flatnonzero(overwrite):
+            self._accum_keep_maximum(self._accum_sums[i], grads[i], finite)
+        # accumulate, or add and apply on the window's last micro-step.
+        self._accum_micro_step(
+            [self._accum_sums[i] for i in summed],
+            [grads[i] for i in summed],
+            new_window,
+            update_switch,
+            lambda totals: self._accum_apply_window(
+                dict(zip(summed, totals)),
+                [i for i, has in enumerate(has_gradient) if has],
+            ),
+            grads_weight,
+        )
 
     def _accum_add_loss(self, loss, weight, finite):
         """`loss_sum += weight * loss`; NaN for a micro-batch without its

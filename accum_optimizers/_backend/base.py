@@ -133,6 +133,14 @@ class Accumulation:
         window leaves dead (see `_accum_end_window`)."""
         return means
 
+    def _accum_if_finite(self, finite, micro_step):
+        """Runs the micro-step unless `finite`, a traced scalar bool, is
+        false. `micro_step(finite)` masks its state changes by `finite`
+        (`micro_step(None)`: unmasked). The default masks: compiled code
+        that copies every variable a branch writes (XLA) runs the same ops
+        either way."""
+        micro_step(finite)
+
     def _accum_agree_finite(self, finite):
         """Whether every replica's (or rank's) micro-batch gradients are
         finite, given whether this one's are (a scalar bool): a skipped

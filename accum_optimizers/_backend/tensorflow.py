@@ -172,6 +172,22 @@ class TFAccumulation(Accumulation):
             and replica_context.num_replicas_in_sync > 1
         )
 
+    def _accum_if_finite(self, finite, micro_step):
+        if arrangement() != GRAPH:
+            return super()._accum_if_finite(finite, micro_step)
+
+        # In a plain graph a branch runs only when taken: no masking pass
+        # over the gradients.
+        def take():
+            micro_step(None)
+            return tf.constant(True)
+
+        def skip():
+            self._accum_skipped.assign_add(1)
+            return tf.constant(False)
+
+        tf.cond(finite, take, skip)
+
     def _accum_agree_finite(self, finite):
         replica_context = tf.distribute.get_replica_context()
         if replica_context is None or replica_context.num_replicas_in_sync == 1:
