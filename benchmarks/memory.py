@@ -27,9 +27,11 @@ What each mode measures (what the backend offers):
   its memory: on a GPU the allocator's peak over a warm step
   (`tf.config.experimental.get_memory_info`), on the CPU only the
   optimizer's state is counted.
-- `torch`: on CUDA the allocator's peak (`torch.cuda.max_memory_allocated`)
-  over a warm step; torch's CPU allocator keeps no statistics, so on the
-  CPU only the optimizer's state is counted.
+- `torch`: the step as `fit` runs it (eagerly), over a warm window: on CUDA
+  the allocator's peak (`torch.cuda.max_memory_allocated`); on the CPU,
+  whose allocator keeps no statistics, the profiler's allocation and free
+  events (`torch.profiler.profile(profile_memory=True)`) summed in time
+  order from before the model exists.
 
 A counted row reports the optimizer's variables, the state the bound is
 about; a step's transient buffers are not in it.
@@ -51,6 +53,7 @@ MODES = {
 }
 CONFIGS = ["parent", "ours_k4", "keras_builtin_k4", "parent_4b"]
 K = 4
+WINDOW = "measured window"
 # `--smoke`: workload sizes for the tests (seconds); flags still override.
 SMOKE = {
     "mlp_width": 256,
@@ -183,17 +186,80 @@ def jax_peak(model, data):
 
 
 def torch_peak(model, data):
-    """Allocator peak over a warm step on CUDA; `None` on the CPU."""
+    """Peak bytes over a warm window on CUDA: the allocator's peak."""
     import torch
 
-    if not torch.cuda.is_available():
-        return None
-    model.train_on_batch(*data)  # warm: the allocator's cache is filled
+    for _ in range(K):  # warm: one whole window, allocations made lazily
+        model.train_on_batch(*data)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    model.train_on_batch(*data)
+    for _ in range(K):
+        model.train_on_batch(*data)
     torch.cuda.synchronize()
     return int(torch.cuda.max_memory_allocated())
+
+
+def torch_cpu_peak(build):
+    """Peak bytes over a warm window on torch's CPU allocator, which keeps
+    no statistics: the profiler's allocation and free events, summed in
+    time order from before the model exists (the profiler reports no free
+    of a block allocated before it started), at their most during the
+    window, each step starting from what is alive.
+
+    Args:
+        build: called with no argument, returns `(model, data)`.
+
+    Returns:
+        `(peak, model)`.
+    """
+    import gc
+
+    from torch import profiler
+
+    # A previous model freed during the profile would count as a free of
+    # a block the profiler saw allocated (in an earlier profile).
+    gc.collect()
+    activities = [profiler.ProfilerActivity.CPU]
+    with profiler.profile(activities=activities, profile_memory=True) as run:
+        model, data = build()
+        for _ in range(K):  # warm: one whole window, allocations made lazily
+            model.train_on_batch(*data)
+        # Each step from what is alive: Keras' steps leave reference
+        # cycles holding tensors, which Python's collector frees at
+        # moments that differ from run to run.
+        gc.disable()
+        try:
+            with profiler.record_function(WINDOW):
+                for _ in range(K):
+                    gc.collect()
+                    model.train_on_batch(*data)
+        finally:
+            gc.enable()
+    return held_at_most(run.profiler.kineto_results.events(), WINDOW), model
+
+
+def held_at_most(events, span):
+    """The most bytes held at once during the event named `span`.
+
+    Args:
+        events: the profiler's events (`kineto_results.events()`), those
+            named `"[memory]"` being allocations (positive `nbytes`) and
+            frees (negative).
+        span: the name of the one event that delimits the time measured.
+    """
+    window = next(event for event in events if event.name() == span)
+    changes = sorted(
+        (event for event in events if event.name() == "[memory]"),
+        key=lambda event: event.start_ns(),
+    )
+    held = peak = 0
+    for change in changes:
+        if change.start_ns() > window.end_ns():
+            break
+        held += change.nbytes()
+        if change.start_ns() >= window.start_ns():
+            peak = max(peak, held)
+    return peak
 
 
 def tensorflow_peak(model, data):
@@ -252,14 +318,33 @@ def tensorflow_xla_peak(model, data):
 
 
 def measure(mode, workload, config, args):
-    jit_compile = mode != "tensorflow"
-    model, data = compiled_model(workload, config, args, jit_compile)
+    # torch runs `fit`'s step eagerly by default, as measured here.
+    jit_compile = mode in ("jax", "tensorflow-xla")
+
+    def build():
+        return compiled_model(workload, config, args, jit_compile)
+
+    if mode == "torch" and not torch_cuda():
+        peak, model = torch_cpu_peak(build)
+        return record(mode, workload, config, peak, model)
+    model, data = build()
     peak = {
         "jax": jax_peak,
         "torch": torch_peak,
         "tensorflow": tensorflow_peak,
         "tensorflow-xla": tensorflow_xla_peak,
     }[mode](model, data)
+    return record(mode, workload, config, peak, model)
+
+
+def torch_cuda():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def record(mode, workload, config, peak, model):
+    """One configuration's figures: `peak` and `model`'s sizes."""
     return {
         "mode": mode,
         "workload": workload,
