@@ -24,9 +24,9 @@ What each mode measures (what the backend offers):
   memory analysis of it; that HLO is compiled by jaxlib's XLA (for the
   CPU) and analysed as for JAX.
 - `tensorflow`: without XLA the graph runs op by op and nothing analyses
-  its memory: on a GPU the allocator's peak over a warm step
-  (`tf.config.experimental.get_memory_info`), on the CPU only the
-  optimizer's state is counted.
+  its memory: the allocator's peak over a warm window
+  (`tf.config.experimental.get_memory_info`), on a GPU or the CPU, with
+  one op at a time (`set_inter_op_parallelism_threads(1)`).
 - `torch`: the step as `fit` runs it (eagerly), over a warm window: on CUDA
   the allocator's peak (`torch.cuda.max_memory_allocated`); on the CPU,
   whose allocator keeps no statistics, the profiler's allocation and free
@@ -262,16 +262,32 @@ def held_at_most(events, span):
     return peak
 
 
-def tensorflow_peak(model, data):
-    """Allocator peak over a warm step on a GPU; `None` on the CPU."""
+def tensorflow_peak(build):
+    """The allocator's peak over a warm window, above what it held before
+    the model existed, on the first GPU or else the CPU (whose allocator
+    keeps statistics too).
+
+    Args:
+        build: called with no argument, returns `(model, data)`.
+
+    Returns:
+        `(peak, model)`.
+    """
+    import gc
+
     import tensorflow as tf
 
-    if not tf.config.list_physical_devices("GPU"):
-        return None
-    model.train_on_batch(*data)  # warm: traced and compiled
-    tf.config.experimental.reset_memory_stats("GPU:0")
-    model.train_on_batch(*data)
-    return int(tf.config.experimental.get_memory_info("GPU:0")["peak"])
+    device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
+    gc.collect()  # an earlier configuration's model
+    before = tf.config.experimental.get_memory_info(device)["current"]
+    model, data = build()
+    for _ in range(K):  # warm: traced, one whole window run
+        model.train_on_batch(*data)
+    tf.config.experimental.reset_memory_stats(device)
+    for _ in range(K):
+        model.train_on_batch(*data)
+    peak = tf.config.experimental.get_memory_info(device)["peak"]
+    return int(peak - before), model
 
 
 def tensorflow_xla_peak(model, data):
@@ -324,14 +340,14 @@ def measure(mode, workload, config, args):
     def build():
         return compiled_model(workload, config, args, jit_compile)
 
+    if mode == "tensorflow":
+        return record(mode, workload, config, *tensorflow_peak(build))
     if mode == "torch" and not torch_cuda():
-        peak, model = torch_cpu_peak(build)
-        return record(mode, workload, config, peak, model)
+        return record(mode, workload, config, *torch_cpu_peak(build))
     model, data = build()
     peak = {
         "jax": jax_peak,
         "torch": torch_peak,
-        "tensorflow": tensorflow_peak,
         "tensorflow-xla": tensorflow_xla_peak,
     }[mode](model, data)
     return record(mode, workload, config, peak, model)
@@ -357,6 +373,13 @@ def record(mode, workload, config, peak, model):
 
 
 def worker(args):
+    if args.worker == "tensorflow":
+        import tensorflow as tf
+
+        # One op at a time, in the graph's order: with parallel ops the
+        # allocator's peak depends on their interleaving, which varies
+        # from step to step by more than a small model's sums.
+        tf.config.threading.set_inter_op_parallelism_threads(1)
     for workload in args.workloads:
         for config in args.configs:
             record = measure(args.worker, workload, config, args)
