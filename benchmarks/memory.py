@@ -1,6 +1,7 @@
 """Peak memory of one train step, against the bound: one command.
 
-    python -m benchmarks.memory [--modes jax tensorflow-xla tensorflow torch]
+    python -m benchmarks.memory [--modes jax tensorflow-xla tensorflow
+                                         tensorflow-mirrored torch]
                                 [--workloads mlp transformer] [--smoke]
                                 [--mlp-width 2048] [--mlp-depth 5]
                                 [--mlp-batch 256] [--transformer-batch 32]
@@ -27,6 +28,9 @@ What each mode measures (what the backend offers):
   its memory: the allocator's peak over a warm window
   (`tf.config.experimental.get_memory_info`), on a GPU or the CPU, with
   one op at a time (`set_inter_op_parallelism_threads(1)`).
+- `tensorflow-mirrored`: as `tensorflow`, under `MirroredStrategy` over 2
+  logical CPU devices (one allocator); each replica holds its own sums,
+  so the sums' bytes are counted twice.
 - `torch`: the step as `fit` runs it (eagerly), over a warm window: on CUDA
   the allocator's peak (`torch.cuda.max_memory_allocated`); on the CPU,
   whose allocator keeps no statistics, the profiler's allocation and free
@@ -38,6 +42,7 @@ about; a step's transient buffers are not in it.
 """
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -49,8 +54,11 @@ MODES = {
     "jax": "jax",
     "tensorflow-xla": "tensorflow",
     "tensorflow": "tensorflow",
+    "tensorflow-mirrored": "tensorflow",
     "torch": "torch",
 }
+# `tensorflow-mirrored`: replicas on as many logical CPU devices.
+REPLICAS = 2
 CONFIGS = ["parent", "ours_k4", "keras_builtin_k4", "parent_4b"]
 K = 4
 WINDOW = "measured window"
@@ -342,6 +350,8 @@ def measure(mode, workload, config, args):
 
     if mode == "tensorflow":
         return record(mode, workload, config, *tensorflow_peak(build))
+    if mode == "tensorflow-mirrored":
+        return mirrored_record(workload, config, build)
     if mode == "torch" and not torch_cuda():
         return record(mode, workload, config, *torch_cpu_peak(build))
     model, data = build()
@@ -351,6 +361,29 @@ def measure(mode, workload, config, args):
         "tensorflow-xla": tensorflow_xla_peak,
     }[mode](model, data)
     return record(mode, workload, config, peak, model)
+
+
+def mirrored_record(workload, config, build):
+    """`record` under `MirroredStrategy` over `REPLICAS` CPU devices, whose
+    replicas each hold one sum per parameter."""
+
+    def build_in_scope():
+        with mirrored_strategy().scope():
+            return build()
+
+    peak, model = tensorflow_peak(build_in_scope)
+    figures = record("tensorflow-mirrored", workload, config, peak, model)
+    figures["sums_bytes"] *= REPLICAS
+    return figures
+
+
+@functools.cache
+def mirrored_strategy():
+    """One strategy per process: the collectives of a second one fail."""
+    import tensorflow as tf
+
+    devices = [f"CPU:{i}" for i in range(REPLICAS)]
+    return tf.distribute.MirroredStrategy(devices)
 
 
 def torch_cuda():
@@ -373,15 +406,24 @@ def record(mode, workload, config, peak, model):
 
 
 def worker(args):
-    if args.worker == "tensorflow":
+    configs = args.configs
+    if args.worker == "tensorflow-mirrored":
+        # Keras' own accumulation raises under MirroredStrategy in a graph
+        # (keras-team/keras#20582).
+        configs = [c for c in configs if c != "keras_builtin_k4"]
+    if args.worker in ("tensorflow", "tensorflow-mirrored"):
         import tensorflow as tf
 
         # One op at a time, in the graph's order: with parallel ops the
         # allocator's peak depends on their interleaving, which varies
         # from step to step by more than a small model's sums.
         tf.config.threading.set_inter_op_parallelism_threads(1)
+    if args.worker == "tensorflow-mirrored":
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        replicas = [tf.config.LogicalDeviceConfiguration()] * REPLICAS
+        tf.config.set_logical_device_configuration(cpu, replicas)
     for workload in args.workloads:
-        for config in args.configs:
+        for config in configs:
             record = measure(args.worker, workload, config, args)
             print(json.dumps(record), flush=True)
 
