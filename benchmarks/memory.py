@@ -1,9 +1,11 @@
 """Peak memory of one train step, against the bound: one command.
 
-    python -m benchmarks.memory [--modes jax tensorflow-xla tensorflow torch]
+    python -m benchmarks.memory [--modes jax tensorflow-xla tensorflow
+                                         tensorflow-mirrored torch]
                                 [--workloads mlp transformer] [--smoke]
                                 [--mlp-width 2048] [--mlp-depth 5]
                                 [--mlp-batch 256] [--transformer-batch 32]
+                                [--repeats 3]
                                 [--out benchmarks/results/memory]
 
 The bound: an accumulating optimizer holds the parent optimizer's own state
@@ -24,18 +26,24 @@ What each mode measures (what the backend offers):
   memory analysis of it; that HLO is compiled by jaxlib's XLA (for the
   CPU) and analysed as for JAX.
 - `tensorflow`: without XLA the graph runs op by op and nothing analyses
-  its memory: on a GPU the allocator's peak over a warm step
-  (`tf.config.experimental.get_memory_info`), on the CPU only the
-  optimizer's state is counted.
-- `torch`: on CUDA the allocator's peak (`torch.cuda.max_memory_allocated`)
-  over a warm step; torch's CPU allocator keeps no statistics, so on the
-  CPU only the optimizer's state is counted.
+  its memory: the allocator's peak over a warm window
+  (`tf.config.experimental.get_memory_info`), on a GPU or the CPU, with
+  one op at a time (`set_inter_op_parallelism_threads(1)`).
+- `tensorflow-mirrored`: as `tensorflow`, under `MirroredStrategy` over 2
+  logical CPU devices (one allocator); each replica holds its own sums,
+  so the sums' bytes are counted twice.
+- `torch`: the step as `fit` runs it (eagerly), over a warm window: on CUDA
+  the allocator's peak (`torch.cuda.max_memory_allocated`); on the CPU,
+  whose allocator keeps no statistics, the profiler's allocation and free
+  events (`torch.profiler.profile(profile_memory=True)`) summed in time
+  order from before the model exists.
 
 A counted row reports the optimizer's variables, the state the bound is
 about; a step's transient buffers are not in it.
 """
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -47,10 +55,18 @@ MODES = {
     "jax": "jax",
     "tensorflow-xla": "tensorflow",
     "tensorflow": "tensorflow",
+    "tensorflow-mirrored": "tensorflow",
     "torch": "torch",
 }
+# `tensorflow-mirrored`: replicas on as many logical CPU devices.
+REPLICAS = 2
+# Modes measured by TensorFlow's allocator, whose peak for the same step
+# varies between processes (it counts whole blocks, reused as they fall
+# free): `--repeats` processes each, their median reported.
+ALLOCATOR_MODES = ("tensorflow", "tensorflow-mirrored")
 CONFIGS = ["parent", "ours_k4", "keras_builtin_k4", "parent_4b"]
 K = 4
+WINDOW = "measured window"
 # `--smoke`: workload sizes for the tests (seconds); flags still override.
 SMOKE = {
     "mlp_width": 256,
@@ -78,6 +94,7 @@ def parse(argv=None):
     parser.add_argument("--transformer-batch", type=int, default=32)
     parser.add_argument("--transformer-sequence", type=int, default=128)
     parser.add_argument("--transformer-width", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     if parser.parse_args(argv).smoke:
@@ -183,29 +200,108 @@ def jax_peak(model, data):
 
 
 def torch_peak(model, data):
-    """Allocator peak over a warm step on CUDA; `None` on the CPU."""
+    """Peak bytes over a warm window on CUDA: the allocator's peak."""
     import torch
 
-    if not torch.cuda.is_available():
-        return None
-    model.train_on_batch(*data)  # warm: the allocator's cache is filled
+    for _ in range(K):  # warm: one whole window, allocations made lazily
+        model.train_on_batch(*data)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    model.train_on_batch(*data)
+    for _ in range(K):
+        model.train_on_batch(*data)
     torch.cuda.synchronize()
     return int(torch.cuda.max_memory_allocated())
 
 
-def tensorflow_peak(model, data):
-    """Allocator peak over a warm step on a GPU; `None` on the CPU."""
+def torch_cpu_peak(build):
+    """Peak bytes over a warm window on torch's CPU allocator, which keeps
+    no statistics: the profiler's allocation and free events, summed in
+    time order from before the model exists (the profiler reports no free
+    of a block allocated before it started), at their most during the
+    window, each step starting from what is alive.
+
+    Args:
+        build: called with no argument, returns `(model, data)`.
+
+    Returns:
+        `(peak, model)`.
+    """
+    import gc
+
+    from torch import profiler
+
+    # A previous model freed during the profile would count as a free of
+    # a block the profiler saw allocated (in an earlier profile).
+    gc.collect()
+    activities = [profiler.ProfilerActivity.CPU]
+    with profiler.profile(activities=activities, profile_memory=True) as run:
+        model, data = build()
+        for _ in range(K):  # warm: one whole window, allocations made lazily
+            model.train_on_batch(*data)
+        # Each step from what is alive: Keras' steps leave reference
+        # cycles holding tensors, which Python's collector frees at
+        # moments that differ from run to run.
+        gc.disable()
+        try:
+            with profiler.record_function(WINDOW):
+                for _ in range(K):
+                    gc.collect()
+                    model.train_on_batch(*data)
+        finally:
+            gc.enable()
+    return held_at_most(run.profiler.kineto_results.events(), WINDOW), model
+
+
+def held_at_most(events, span):
+    """The most bytes held at once during the event named `span`.
+
+    Args:
+        events: the profiler's events (`kineto_results.events()`), those
+            named `"[memory]"` being allocations (positive `nbytes`) and
+            frees (negative).
+        span: the name of the one event that delimits the time measured.
+    """
+    window = next(event for event in events if event.name() == span)
+    changes = sorted(
+        (event for event in events if event.name() == "[memory]"),
+        key=lambda event: event.start_ns(),
+    )
+    held = peak = 0
+    for change in changes:
+        if change.start_ns() > window.end_ns():
+            break
+        held += change.nbytes()
+        if change.start_ns() >= window.start_ns():
+            peak = max(peak, held)
+    return peak
+
+
+def tensorflow_peak(build):
+    """The allocator's peak over a warm window, above what it held before
+    the model existed, on the first GPU or else the CPU (whose allocator
+    keeps statistics too).
+
+    Args:
+        build: called with no argument, returns `(model, data)`.
+
+    Returns:
+        `(peak, model)`.
+    """
+    import gc
+
     import tensorflow as tf
 
-    if not tf.config.list_physical_devices("GPU"):
-        return None
-    model.train_on_batch(*data)  # warm: traced and compiled
-    tf.config.experimental.reset_memory_stats("GPU:0")
-    model.train_on_batch(*data)
-    return int(tf.config.experimental.get_memory_info("GPU:0")["peak"])
+    device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
+    gc.collect()  # an earlier configuration's model
+    before = tf.config.experimental.get_memory_info(device)["current"]
+    model, data = build()
+    for _ in range(K):  # warm: traced, one whole window run
+        model.train_on_batch(*data)
+    tf.config.experimental.reset_memory_stats(device)
+    for _ in range(K):
+        model.train_on_batch(*data)
+    peak = tf.config.experimental.get_memory_info(device)["peak"]
+    return int(peak - before), model
 
 
 def tensorflow_xla_peak(model, data):
@@ -252,14 +348,58 @@ def tensorflow_xla_peak(model, data):
 
 
 def measure(mode, workload, config, args):
-    jit_compile = mode != "tensorflow"
-    model, data = compiled_model(workload, config, args, jit_compile)
+    # torch runs `fit`'s step eagerly by default, as measured here.
+    jit_compile = mode in ("jax", "tensorflow-xla")
+
+    def build():
+        return compiled_model(workload, config, args, jit_compile)
+
+    if mode == "tensorflow":
+        return record(mode, workload, config, *tensorflow_peak(build))
+    if mode == "tensorflow-mirrored":
+        return mirrored_record(workload, config, build)
+    if mode == "torch" and not torch_cuda():
+        return record(mode, workload, config, *torch_cpu_peak(build))
+    model, data = build()
     peak = {
         "jax": jax_peak,
         "torch": torch_peak,
-        "tensorflow": tensorflow_peak,
         "tensorflow-xla": tensorflow_xla_peak,
     }[mode](model, data)
+    return record(mode, workload, config, peak, model)
+
+
+def mirrored_record(workload, config, build):
+    """`record` under `MirroredStrategy` over `REPLICAS` CPU devices, whose
+    replicas each hold one sum per parameter."""
+
+    def build_in_scope():
+        with mirrored_strategy().scope():
+            return build()
+
+    peak, model = tensorflow_peak(build_in_scope)
+    figures = record("tensorflow-mirrored", workload, config, peak, model)
+    figures["sums_bytes"] *= REPLICAS
+    return figures
+
+
+@functools.cache
+def mirrored_strategy():
+    """One strategy per process: the collectives of a second one fail."""
+    import tensorflow as tf
+
+    devices = [f"CPU:{i}" for i in range(REPLICAS)]
+    return tf.distribute.MirroredStrategy(devices)
+
+
+def torch_cuda():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def record(mode, workload, config, peak, model):
+    """One configuration's figures: `peak` and `model`'s sizes."""
     return {
         "mode": mode,
         "workload": workload,
@@ -272,8 +412,24 @@ def measure(mode, workload, config, args):
 
 
 def worker(args):
+    configs = args.configs
+    if args.worker == "tensorflow-mirrored":
+        # Keras' own accumulation raises under MirroredStrategy in a graph
+        # (keras-team/keras#20582).
+        configs = [c for c in configs if c != "keras_builtin_k4"]
+    if args.worker in ("tensorflow", "tensorflow-mirrored"):
+        import tensorflow as tf
+
+        # One op at a time, in the graph's order: with parallel ops the
+        # allocator's peak depends on their interleaving, which varies
+        # from step to step by more than a small model's sums.
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+    if args.worker == "tensorflow-mirrored":
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        replicas = [tf.config.LogicalDeviceConfiguration()] * REPLICAS
+        tf.config.set_logical_device_configuration(cpu, replicas)
     for workload in args.workloads:
-        for config in args.configs:
+        for config in configs:
             record = measure(args.worker, workload, config, args)
             print(json.dumps(record), flush=True)
 
@@ -295,6 +451,26 @@ def run_mode(mode, argv):
     if result.returncode:
         records.append({"mode": mode, "error": result.stderr[-2000:]})
     return records
+
+
+def medians(runs):
+    """One record per configuration, its peak the median over `runs` (lists
+    of one worker's records); an error of any run is kept."""
+    import statistics
+
+    errors = [r for records in runs for r in records if "error" in r]
+    first = [r for r in runs[0] if "error" not in r]
+    for record in first:
+        peaks = [
+            r["peak_bytes"]
+            for records in runs
+            for r in records
+            if r.get("workload") == record["workload"]
+            and r.get("config") == record["config"]
+        ]
+        record["peak_bytes"] = int(statistics.median(peaks))
+        record["peaks_bytes"] = peaks
+    return first + errors
 
 
 def mib(count):
@@ -362,7 +538,8 @@ def main(argv=None):
     passed = worker_arguments(args)
     records = []
     for mode in args.modes:
-        records += run_mode(mode, passed)
+        repeats = args.repeats if mode in ALLOCATOR_MODES else 1
+        records += medians([run_mode(mode, passed) for _ in range(repeats)])
     markdown = table(records)
     print(markdown)
     if args.out:
