@@ -601,8 +601,8 @@ def test_a_multi_optimizer_hands_fit_s_loss_to_every_inner_optimizer():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_finite_gradients_whose_sum_overflows_are_kept(mode):
-    # The quick test sums each gradient: 2e38 + 2e38 overflows float32, and
-    # the exact test must then find every entry finite.
+    # A plain sum of 2e38 + 2e38 overflows float32: the check, a sum of
+    # each gradient, must not take it for an infinity.
     ours = SGDAccumulate(learning_rate=0.1, accum_iters=3, skip_nonfinite=True)
     variables = _variables()
     step = applier(ours, variables, mode)
