@@ -1,19 +1,25 @@
 """Whether a micro-batch's gradients are all finite (`skip_nonfinite`), and
 the masking of a skipped micro-batch in compiled code.
 
-One `sum` per gradient answers it: a sum is non-finite whenever one of its
-terms is (NaN propagates; an infinity stays one, or meets the opposite one
-and makes NaN). Finite terms could overflow into an infinite sum, so each
-entry is first multiplied by 2**-100, exactly (a power of two): no sum of
-fewer than 10**30 finite float32 entries then overflows, and infinities and
-NaN stay what they are. A sum is the cheapest reduction every backend has
-(a fraction of `isfinite(...).all()`, which materialises or reads a boolean
-per entry), and the multiply fuses into it under XLA.
+One `sum` per gradient answers it for nearly every micro-batch: a sum is
+non-finite whenever one of its terms is (NaN propagates; an infinity stays
+one, or meets the opposite one and makes NaN). It is the cheapest reduction
+every backend has, a fraction of `isfinite(...).all()`, which materialises
+or reads a boolean per entry. Finite entries can overflow into an infinite
+sum, though:
+
+- eagerly, and in a TensorFlow graph, the exact test runs only when a sum
+  is not finite (a Python branch; a `tf.cond`);
+- under XLA (JAX, TensorFlow's `jit_compile`), where a conditional costs
+  copies, each entry is multiplied by 2**-100 first, exactly (a power of
+  two) and fused into the sum: no sum of fewer than 10**30 finite float32
+  entries then overflows, and infinities and NaN stay what they are.
 """
 
 from keras import backend
 from keras import ops
 
+from accum_optimizers import _keras_private
 from accum_optimizers._validation import concrete_value
 
 _NARROW = ("float16", "bfloat16")
@@ -25,16 +31,22 @@ def all_finite(grads):
     """Whether every entry of every gradient (`None`s and the indices of
     `IndexedSlices` ignored) is finite: a Python `bool` where the
     gradients are concrete, else a traced scalar bool."""
-    sums = [
-        ops.sum(ops.multiply(_wide(_entries(grad)), _SHRINK))
-        for grad in grads
-        if grad is not None
-    ]
-    if not sums:
+    values = [_wide(_entries(grad)) for grad in grads if grad is not None]
+    if not values:
         return True
-    finite = ops.all(ops.isfinite(ops.stack(sums)))
-    known = concrete_value(finite)
-    return finite if known is None else bool(known)
+    if _under_xla(values[0]):
+        return _sums_are_finite(
+            [ops.multiply(value, _SHRINK) for value in values]
+        )
+    probably = _sums_are_finite(values)
+    known = concrete_value(probably)
+    if known is not None:
+        return bool(known) or bool(concrete_value(_exactly_finite(values)))
+    return ops.cond(
+        probably,
+        lambda: ops.convert_to_tensor(True),
+        lambda: _exactly_finite(values),
+    )
 
 
 def masked(value, finite):
@@ -49,6 +61,28 @@ def masked(value, finite):
     return ops.where(finite, value, ops.zeros_like(value))
 
 
+def _sums_are_finite(values):
+    return ops.all(ops.isfinite(ops.stack([ops.sum(v) for v in values])))
+
+
+def _exactly_finite(values):
+    return ops.all(
+        ops.stack([ops.all(ops.isfinite(value)) for value in values])
+    )
+
+
+def _under_xla(value):
+    """Whether `value` is traced for XLA: a JAX tracer, or a tensor of a
+    TensorFlow graph that XLA compiles."""
+    if backend.backend() == "jax":
+        return _keras_private.is_jax_tracer(value)
+    if backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return not tf.executing_eagerly() and _keras_private.in_xla_context()
+    return False
+
+
 def _entries(grad):
     """A gradient's entries: an `IndexedSlices`' values, or itself."""
     return grad.values if hasattr(grad, "dense_shape") else grad
@@ -56,9 +90,7 @@ def _entries(grad):
 
 def _wide(value):
     """float16 and bfloat16 entries, summed in float32 (the cast fuses into
-    the sum under XLA): shrunk by 2**-100 they would underflow to zero in
-    their own dtype, and a NaN sum of zeros is impossible, but an infinite
-    entry would stay infinite either way; float32 keeps the sum honest."""
+    the sum under XLA): their own range overflows at ordinary sizes."""
     if backend.standardize_dtype(value.dtype) in _NARROW:
         return ops.cast(value, "float32")
     return value
