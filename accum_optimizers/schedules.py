@@ -206,8 +206,23 @@ def keyed_on_samples(schedule):
     )
 
 
+class _KeyedOnSamples:
+    """Saving and printing of a schedule wrapped by `by_samples` (its
+    `schedule`)."""
+
+    def get_config(self):
+        return {"schedule": keras.saving.serialize_keras_object(self.schedule)}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(keras.saving.deserialize_keras_object(config["schedule"]))
+
+    def __repr__(self):
+        return f"by_samples({self.schedule!r})"
+
+
 @register_keras_serializable(package=_PACKAGE)
-class SamplesAccumSchedule(AccumSchedule):
+class SamplesAccumSchedule(_KeyedOnSamples, AccumSchedule):
     """An accumulation schedule keyed on the samples seen (`by_samples`).
 
     Args:
@@ -222,8 +237,8 @@ class SamplesAccumSchedule(AccumSchedule):
             schedule, SamplesAccumSchedule
         ):
             raise TypeError(
-                "`schedule` must be an `AccumSchedule` or a dict keyed on "
-                f"update counts. Received: schedule={schedule!r}"
+                "`schedule` must be an `AccumSchedule` or a dict "
+                f"`{{samples: k}}`. Received: schedule={schedule!r}"
             )
         self.schedule = schedule
         self.min_accum_iters = schedule.min_accum_iters
@@ -231,19 +246,9 @@ class SamplesAccumSchedule(AccumSchedule):
     def __call__(self, samples):
         return self.schedule(samples)
 
-    def get_config(self):
-        return {"schedule": keras.saving.serialize_keras_object(self.schedule)}
-
-    @classmethod
-    def from_config(cls, config):
-        return cls(keras.saving.deserialize_keras_object(config["schedule"]))
-
-    def __repr__(self):
-        return f"by_samples({self.schedule!r})"
-
 
 @register_keras_serializable(package=_PACKAGE)
-class SamplesLearningRateSchedule(LearningRateSchedule):
+class SamplesLearningRateSchedule(_KeyedOnSamples, LearningRateSchedule):
     """A learning-rate schedule keyed on the samples seen (`by_samples`).
 
     An accumulating optimizer evaluates `schedule` at its `samples_seen`;
@@ -275,16 +280,6 @@ class SamplesLearningRateSchedule(LearningRateSchedule):
     def at_samples(self, samples):
         """The learning rate after `samples` samples (a float32 scalar)."""
         return self.schedule(samples)
-
-    def get_config(self):
-        return {"schedule": keras.saving.serialize_keras_object(self.schedule)}
-
-    @classmethod
-    def from_config(cls, config):
-        return cls(keras.saving.deserialize_keras_object(config["schedule"]))
-
-    def __repr__(self):
-        return f"by_samples({self.schedule!r})"
 
 
 def _count(update):

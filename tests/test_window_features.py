@@ -172,6 +172,32 @@ def _fit_data(bad_batches, batch, count):
     return x, y
 
 
+def _parent_without(bad, x, y, batch, k, sample_weight=None):
+    """The oracle: Adam fitted on the big batches of `k` micro-batches of
+    `batch` made of those not in `bad`."""
+    count = len(x) // batch
+    kept = np.concatenate(
+        [
+            np.arange(n * batch, (n + 1) * batch)
+            for n in range(count)
+            if n not in bad
+        ]
+    )
+    reference = small_model(0)
+    reference.compile(
+        optimizer=keras.optimizers.Adam(learning_rate=0.05), loss="mse"
+    )
+    reference.fit(
+        x[kept],
+        y[kept],
+        sample_weight=None if sample_weight is None else sample_weight[kept],
+        batch_size=k * batch,
+        shuffle=False,
+        verbose=0,
+    )
+    return reference
+
+
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_fit_skips_a_micro_batch_with_a_nan_loss(jit_compile):
     if BACKEND == "torch" and jit_compile:
@@ -184,22 +210,7 @@ def test_fit_skips_a_micro_batch_with_a_nan_loss(jit_compile):
     )
     model.compile(optimizer=ours, loss="mse", jit_compile=jit_compile)
     model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
-
-    kept = np.concatenate(
-        [
-            np.arange(n * batch, (n + 1) * batch)
-            for n in range(12)
-            if n not in bad
-        ]
-    )
-    reference = small_model(0)
-    reference.compile(
-        optimizer=keras.optimizers.Adam(learning_rate=0.05), loss="mse"
-    )
-    reference.fit(
-        x[kept], y[kept], batch_size=2 * batch, shuffle=False, verbose=0
-    )
-    assert_same_weights(model, reference)
+    assert_same_weights(model, _parent_without(bad, x, y, batch, 2))
     assert int(to_numpy(ours.skipped_micro_batches)) == 2
     assert int(to_numpy(ours.iterations)) == 5
 
@@ -223,25 +234,7 @@ def test_fit_skips_weighted_micro_batches_and_flushes_the_rest():
         verbose=0,
         callbacks=[FlushAccumulation()],
     )
-    kept = np.concatenate(
-        [
-            np.arange(n * batch, (n + 1) * batch)
-            for n in range(7)
-            if n not in bad
-        ]
-    )
-    reference = small_model(0)
-    reference.compile(
-        optimizer=keras.optimizers.Adam(learning_rate=0.05), loss="mse"
-    )
-    reference.fit(
-        x[kept],
-        y[kept],
-        sample_weight=weights[kept],
-        batch_size=3 * batch,
-        shuffle=False,
-        verbose=0,
-    )
+    reference = _parent_without(bad, x, y, batch, 3, sample_weight=weights)
     assert_same_weights(model, reference)
 
 
@@ -259,21 +252,7 @@ def test_a_loss_scale_optimizer_skips_nonfinite_steps_before_the_window():
         optimizer=keras.optimizers.LossScaleOptimizer(ours), loss="mse"
     )
     model.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
-    kept = np.concatenate(
-        [
-            np.arange(n * batch, (n + 1) * batch)
-            for n in range(5)
-            if n not in bad
-        ]
-    )
-    reference = small_model(0)
-    reference.compile(
-        optimizer=keras.optimizers.Adam(learning_rate=0.05), loss="mse"
-    )
-    reference.fit(
-        x[kept], y[kept], batch_size=2 * batch, shuffle=False, verbose=0
-    )
-    assert_same_weights(model, reference)
+    assert_same_weights(model, _parent_without(bad, x, y, batch, 2))
     assert int(to_numpy(ours.skipped_micro_batches)) == 0
     assert int(to_numpy(ours.micro_batches_seen)) == 4
 
@@ -611,3 +590,39 @@ def test_finite_gradients_whose_sum_overflows_are_kept(mode):
     step(_gradients(25, 1, bad=(0,))[0])
     assert int(to_numpy(ours.skipped_micro_batches)) == 1
     assert int(to_numpy(ours.micro_steps)) == 1
+
+
+def test_a_keras_file_resumes_skips_samples_and_a_per_sample_schedule(
+    tmp_path,
+):
+    # Oracle: the same run uninterrupted. Saved mid-window, after a skip.
+    batch = 4
+    x, y = _fit_data((1,), batch, 10)
+
+    def optimizer():
+        return AdamAccumulate(
+            learning_rate=schedules.by_samples(
+                keras.optimizers.schedules.ExponentialDecay(0.05, 8, 0.5)
+            ),
+            accum_iters=schedules.by_samples({0: 2, 6: 3}),
+            skip_nonfinite=True,
+        )
+
+    whole = small_model(0)
+    whole.compile(optimizer=optimizer(), loss="mse")
+    whole.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
+
+    first = small_model(0)
+    first.compile(optimizer=optimizer(), loss="mse")
+    first.fit(x[:24], y[:24], batch_size=batch, shuffle=False, verbose=0)
+    assert int(to_numpy(first.optimizer.micro_steps)) > 0
+    path = tmp_path / "model.keras"
+    first.save(path)
+    resumed = keras.models.load_model(path)
+    assert resumed.optimizer.skip_nonfinite is True
+    resumed.fit(x[24:], y[24:], batch_size=batch, shuffle=False, verbose=0)
+    assert_same_weights(resumed, whole, rtol=1e-6, atol=1e-7)
+    for name in ("skipped_micro_batches", "samples_seen", "iterations"):
+        assert float(to_numpy(getattr(resumed.optimizer, name))) == float(
+            to_numpy(getattr(whole.optimizer, name))
+        )
