@@ -107,12 +107,14 @@ def test_without_skip_nonfinite_a_nonfinite_micro_batch_poisons_the_window():
     assert int(to_numpy(ours.skipped_micro_batches)) == 0
 
 
-def test_skipping_with_a_window_of_one_keeps_the_parent_on_finite_steps():
+@pytest.mark.parametrize("mode", MODES)
+def test_skipping_with_a_window_of_one_keeps_the_parent_on_finite_steps(mode):
     steps = _gradients(3, 5, bad=(1, 3))
     ours = AdamAccumulate(learning_rate=0.1, skip_nonfinite=True)
     variables = _variables()
+    step = applier(ours, variables, mode)
     for grads in steps:
-        ours.apply([keras.ops.convert_to_tensor(g) for g in grads], variables)
+        step(grads)
     reference = _variables()
     parent_on_window_means(
         keras.optimizers.Adam(learning_rate=0.1),
@@ -626,3 +628,26 @@ def test_a_keras_file_resumes_skips_samples_and_a_per_sample_schedule(
         assert float(to_numpy(getattr(resumed.optimizer, name))) == float(
             to_numpy(getattr(whole.optimizer, name))
         )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_skipping_under_an_accumulation_schedule(mode):
+    # Windows of 1, 1, then 3 finite micro-batches.
+    bad = (1, 4)
+    steps = _gradients(27, 9, bad)
+    ours = AdamAccumulate(
+        learning_rate=0.1, accum_iters={0: 1, 2: 3}, skip_nonfinite=True
+    )
+    variables = _variables()
+    step = applier(ours, variables, mode)
+    for grads in steps:
+        step(grads)
+    finite = [steps[n] for n in range(len(steps)) if n not in bad]
+    reference = _variables()
+    parent_on_window_means(
+        keras.optimizers.Adam(learning_rate=0.1),
+        reference,
+        [finite[:1], finite[1:2], finite[2:5]],
+    )
+    assert_all_close(variables, reference, rtol=RTOL, atol=ATOL)
+    assert int(to_numpy(ours.micro_steps)) == 2
