@@ -32,6 +32,24 @@ def _accumulating(model, caller):
     return optimizers
 
 
+def _refuse_skips_with_accum_batch_norm(model, optimizers):
+    """`AccumBatchNormalization` counts its windows in the forward pass, so
+    a micro-batch the optimizer skips afterwards would still be in the
+    layer's statistics, and its windows would fall out of step with the
+    optimizer's."""
+    if not any(o.skip_nonfinite for o in optimizers):
+        return
+    for layer in _keras_private.sublayers(model):
+        if isinstance(layer, AccumBatchNormalization) and layer.accum_iters > 1:
+            raise ValueError(
+                "`skip_nonfinite=True` cannot be combined with "
+                f"AccumBatchNormalization layer '{layer.name}' "
+                f"(accum_iters={layer.accum_iters}): the layer adds every "
+                "micro-batch to its window in the forward pass, before the "
+                "optimizer decides to skip it."
+            )
+
+
 @register_keras_serializable(package="accum_optimizers")
 class FlushAccumulation(keras.callbacks.Callback):
     """Applies a pending partial accumulation window at epoch/training end.
@@ -90,6 +108,7 @@ class FlushAccumulation(keras.callbacks.Callback):
     def on_train_begin(self, logs: Optional[dict[str, Any]] = None) -> None:
         self._unhook_epoch_end()  # Left by a `fit` that raised.
         optimizers = _accumulating(self.model, "FlushAccumulation")
+        _refuse_skips_with_accum_batch_norm(self.model, optimizers)
         count_updates_in_multi_optimizer(self.model.optimizer)
         if self.at_train_end:
             # The optimizer's end-of-`fit` warning about a pending window
@@ -306,6 +325,9 @@ class AccumulationLogger(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: Optional[dict[str, Any]] = None) -> None:
         self._optimizer()  # Fails before the first batch, not after it.
+        _refuse_skips_with_accum_batch_norm(
+            self.model, _accumulating(self.model, "AccumulationLogger")
+        )
         count_updates_in_multi_optimizer(self.model.optimizer)
         self._batches = 0
         self._epoch_batches = 0

@@ -651,3 +651,27 @@ def test_skipping_under_an_accumulation_schedule(mode):
     )
     assert_all_close(variables, reference, rtol=RTOL, atol=ATOL)
     assert int(to_numpy(ours.micro_steps)) == 2
+
+
+def test_skip_nonfinite_with_accum_batch_norm_is_refused_before_training():
+    from accum_optimizers import AccumBatchNormalization
+
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(3),
+            AccumBatchNormalization(accum_iters=2, name="pooled"),
+            keras.layers.Dense(2),
+        ]
+    )
+    model.compile(
+        optimizer=AdamAccumulate(accum_iters=2, skip_nonfinite=True),
+        loss="mse",
+    )
+    x, y = regression_data(29, 8)
+    before = to_numpy(model.weights)
+    for callback in (FlushAccumulation(), AccumulationLogger()):
+        with pytest.raises(ValueError, match="'pooled'"):
+            model.fit(x, y, batch_size=4, verbose=0, callbacks=[callback])
+    for a, b in zip(to_numpy(model.weights), before):
+        np.testing.assert_array_equal(a, b)
