@@ -549,11 +549,12 @@ class GradientAccumulation(BackendAccumulation):
             ops.add(self._accum_loss_sum.value, masked(weighed, finite))
         )
 
-    def apply_gradients(self, grads_and_vars, *, weight=None):
+    def apply_gradients(self, grads_and_vars, *, weight=None, loss=None):
         """`apply` on `(gradient, variable)` pairs; see `apply` for
-        `weight`. Returns `iterations`, the number of applied updates."""
+        `weight` and `loss`. Returns `iterations`, the number of applied
+        updates."""
         grads, trainable_variables = zip(*grads_and_vars)
-        self.apply(grads, trainable_variables, weight=weight)
+        self.apply(grads, trainable_variables, weight=weight, loss=loss)
         return self._iterations
 
     def stateless_apply(

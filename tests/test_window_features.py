@@ -675,3 +675,14 @@ def test_skip_nonfinite_with_accum_batch_norm_is_refused_before_training():
             model.fit(x, y, batch_size=4, verbose=0, callbacks=[callback])
     for a, b in zip(to_numpy(model.weights), before):
         np.testing.assert_array_equal(a, b)
+
+
+def test_apply_gradients_takes_the_loss_too():
+    ours = SGDAccumulate(learning_rate=0.1, accum_iters=2)
+    variables = _variables()
+    for grads, loss in zip(_gradients(31, 2), (1.0, 3.0)):
+        ours.apply_gradients(
+            zip([keras.ops.convert_to_tensor(g) for g in grads], variables),
+            loss=loss,
+        )
+    np.testing.assert_allclose(to_numpy(ours.window_loss), 2.0)
