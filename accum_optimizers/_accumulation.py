@@ -390,7 +390,8 @@ class GradientAccumulation(BackendAccumulation):
     def window_grad_norm(self):
         """The global norm of the last applied window's mean gradient (before
         clipping): the big batch's gradient norm. `0` before the first
-        update."""
+        update; infinite where the window's weighted sums square past
+        float32's range (weights times gradients above about 1e19)."""
         if not self._accumulates or not self.built:
             return ops.zeros((), dtype="float32")
         return ops.convert_to_tensor(self._accum_window_grad_norm)
@@ -809,11 +810,7 @@ class GradientAccumulation(BackendAccumulation):
         # weight or token masked) has zero sums: a zero gradient, as the
         # big batch's `divide_no_nan`.
         divisor = ops.where(ops.greater(total_weight, 0.0), total_weight, 1.0)
-        # The mean's norm from the sums, before the mean takes their place:
-        # read after it, XLA would keep every mean beside the sums.
-        self._accum_window_grad_norm.assign(
-            ops.divide(_global_norm(sums), divisor)
-        )
+        self._accum_window_grad_norm.assign(_norm_of_mean(sums, divisor))
         means = self._accum_window_mean(sums, divisor)
         means = self._accum_store_means(
             [self._accum_sums[i] for i in summed], means
@@ -1029,6 +1026,14 @@ def _check_shape(grad, variable):
             f"{dims}, but the variable has shape {expected}; they must be "
             "equal (a gradient is never broadcast)."
         )
+
+
+def _norm_of_mean(sums, divisor):
+    """The norm of the window's mean, `sums / divisor`, from the sums,
+    before the means replace them: read after (or from scaled sums), XLA
+    keeps every mean beside the sums. Infinite where the squares of the
+    sums overflow float32 (weighted sums above about 1e19)."""
+    return ops.divide(_global_norm(sums), divisor)
 
 
 def _global_norm(tensors):

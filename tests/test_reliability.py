@@ -430,11 +430,21 @@ def test_a_window_saved_by_0_1_0_without_mask_and_weight_resumes():
     optimizer = AdamAccumulate(0.1, accum_iters=3)
     variables = _variables()
     optimizer.build(variables)
-    # 0.1.0 had neither the mask nor the total weight.
+    # Of the window's state, 0.1.0 saved only its two counters.
+    newer = [
+        optimizer._accum_seen,
+        optimizer._accum_total_weight,
+        optimizer._accum_skipped,
+        optimizer._accum_samples_seen,
+        optimizer._accum_samples_seen_error,
+        optimizer._accum_loss_sum,
+        optimizer._accum_window_loss,
+        optimizer._accum_window_grad_norm,
+    ]
     absent = {
         i
         for i, v in enumerate(optimizer.variables)
-        if v is optimizer._accum_seen or v is optimizer._accum_total_weight
+        if any(v is n for n in newer)
     }
     old = [store[str(i)] for i in range(len(store)) if i not in absent]
     optimizer.load_own_variables({str(i): v for i, v in enumerate(old)})

@@ -129,13 +129,17 @@ class AccumulationMachine(RuleBasedStateMachine):
             self.window_loss = float("nan")
         else:
             self.window_loss = np.average(self.losses, weights=weights)
-        squares = 0.0
+        squares, overflows = 0.0, False
         for i in indices:
             zero = np.zeros(SHAPES[i])
             grads = [zero if g[i] is None else g[i] for g in self.window]
             mean = np.average(np.asarray(grads, "float64"), 0, weights)
             squares += float(np.sum(mean**2))
-        self.window_grad_norm = np.sqrt(squares)
+            # The norm is taken from the float32 weighted sums, whose
+            # squares overflow for weights near 1e30 (`window_grad_norm`).
+            total = np.sum(np.asarray(grads, "float64").T * weights, -1).T
+            overflows |= float(np.sum(total**2)) > np.finfo("float32").max
+        self.window_grad_norm = np.inf if overflows else np.sqrt(squares)
         self.samples += float(np.sum(np.asarray(weights, "float32")))
         self.window, self.weights, self.losses = [], [], []
 
