@@ -246,9 +246,11 @@ def jax_train_step_loss():
     step's local `unscaled_loss` (Keras 3.10 through nightly), read here
     from the calling frames.
     """
-    from keras.src.backend.jax.trainer import JAXTrainer
+    from keras.src.backend.jax import trainer
 
-    train_step = JAXTrainer.train_step.__code__
+    # `JAXTrainer` through Keras 3.15, `Trainer` in keras-nightly 3.16.
+    trainer_class = getattr(trainer, "JAXTrainer", None) or trainer.Trainer
+    train_step = trainer_class.train_step.__code__
     frame = sys._getframe(1)
     for _ in range(_JAX_TRAIN_STEP_DEPTH):
         frame = frame.f_back
