@@ -474,7 +474,7 @@ class GradientAccumulation(BackendAccumulation):
                 grads, summed, overwrite, weight, scaled, loss, finite
             )
 
-        with keras.name_scope(self.name, caller=self), self._accum_after(grads):
+        with keras.name_scope(self.name, caller=self):
             if not self.skip_nonfinite:
                 return micro_step(None)
             finite = self._accum_finite_of_threads().pop(
@@ -502,20 +502,13 @@ class GradientAccumulation(BackendAccumulation):
         has_gradient = [g is not None for g in grads]
         weight_or_1 = 1.0 if weight is None else ops.cast(weight, "float32")
         step = 1 if finite is None else ops.cast(finite, "int32")
-        self._accum_total_weight.assign(
-            ops.add(self._accum_total_weight.value, masked(weight_or_1, finite))
-        )
-        self._accum_add_loss(loss, weight_or_1, finite)
         # The gradients to multiply by `weight`, unless `scale_loss`
         # weighed the loss already.
         grads_weight = None if scaled else weight
         if finite is not None:
             grads = [masked(g, finite) for g in grads]
-            self._accum_skipped.assign(self._accum_skipped + 1 - step)
         # counter: one more micro-batch in the window.
         micro_steps = self._accum_micro_steps + step
-        self._accum_micro_steps.assign(micro_steps)
-        self._accum_micro_batches.assign(self._accum_micro_batches + step)
         new_window = ops.equal(micro_steps, 1)
         # update_switch: the window is full.
         update_switch = ops.greater_equal(
@@ -524,7 +517,22 @@ class GradientAccumulation(BackendAccumulation):
         if finite is not None:
             new_window = ops.logical_and(new_window, finite)
             update_switch = ops.logical_and(update_switch, finite)
-        self._accum_mark_seen(has_gradient, new_window, finite)
+        # Only the counters wait for the gradients: the predicates above
+        # must not, or each gradient would be held until the last one
+        # exists.
+        with self._accum_after(grads):
+            self._accum_total_weight.assign(
+                ops.add(
+                    self._accum_total_weight.value,
+                    masked(weight_or_1, finite),
+                )
+            )
+            self._accum_add_loss(loss, weight_or_1, finite)
+            if finite is not None:
+                self._accum_skipped.assign(self._accum_skipped + 1 - step)
+            self._accum_micro_steps.assign(micro_steps)
+            self._accum_micro_batches.assign(self._accum_micro_batches + step)
+            self._accum_mark_seen(has_gradient, new_window, finite)
         for i in np.flatnonzero(overwrite):
             self._accum_keep_maximum(self._accum_sums[i], grads[i], finite)
         # accumulate, or add and apply on the window's last micro-step.

@@ -16,10 +16,10 @@ each, then timed alternately, in 10 rounds of `--windows / 10` windows
 each, so that a drift of the process's speed falls on all of them. Prints
 ms per call (median over `--windows`, default 100), the mean over the
 window and, on JAX, the number of `copy` instructions in the compiled
-step. Ours should cost the
-ceiling on steps 1-3 and the parent on step 4. `--skip-nonfinite` adds ours
-with `skip_nonfinite=True` (`ours_k4_skip`) beside ours, for the cost of
-the check.
+step. Ours should cost the ceiling on steps 1-3 and the parent on step 4.
+`--skip-nonfinite` times the parent, ours and ours with
+`skip_nonfinite=True` (`ours_k4_skip`), the last two on one model and
+optimizer, for the cost of the check.
 """
 
 import argparse
@@ -45,11 +45,13 @@ def _jax_step(model, data):
     import jax
 
     step = jax.jit(model.train_step, donate_argnums=0)
+    # Copies: a second step of the same model must not find its state
+    # donated by the first.
     state = [
-        [v.value for v in model.trainable_variables],
-        [v.value for v in model.non_trainable_variables],
-        [v.value for v in model.optimizer.variables],
-        [v.value for v in model.metrics_variables],
+        [jax.numpy.copy(v.value) for v in model.trainable_variables],
+        [jax.numpy.copy(v.value) for v in model.non_trainable_variables],
+        [jax.numpy.copy(v.value) for v in model.optimizer.variables],
+        [jax.numpy.copy(v.value) for v in model.metrics_variables],
     ]
     compiled = step.lower(state, data).compile().as_text()
 
@@ -80,6 +82,35 @@ def compiled_step(workload, config, optimizer_name, xla=False):
     )
     model.fit(x, y, batch_size=batch, verbose=0)  # builds every variable
     return step_runner(model, (x[:batch], y[:batch]), xla)
+
+
+def skip_toggled_steps(workload, optimizer_name, xla=False):
+    """Returns `{config: (step, copies)}` for `ours_k4` and `ours_k4_skip`
+    on one model and optimizer, `skip_nonfinite` set before each call (read
+    when the step is traced, or at each call eagerly): the two differ by
+    the check alone, not by where their buffers lie (two builds of one
+    configuration differ by more than the check costs)."""
+    batch = workloads.WORKLOADS[workload][0]
+    x, y = workloads.data(workload, batch * 8)
+    model, _ = worker.compiled_model(
+        workload, "ours_k4", optimizer_name, xla, contextlib.nullcontext
+    )
+    model.fit(x, y, batch_size=batch, verbose=0)
+    optimizer = model.optimizer
+    steps = {}
+    for config, skip in (("ours_k4", False), ("ours_k4_skip", True)):
+        optimizer.skip_nonfinite = skip
+        run, copies = step_runner(model, (x[:batch], y[:batch]), xla)
+        steps[config] = (_with_skip(optimizer, skip, run), copies)
+    return steps
+
+
+def _with_skip(optimizer, skip, run):
+    def run_with_skip():
+        optimizer.skip_nonfinite = skip
+        run()
+
+    return run_with_skip
 
 
 def step_runner(model, data, xla=False):
@@ -148,13 +179,17 @@ def main(argv=None):
     print("|---|---|---|---|---|---|---|---|")
     for optimizer_name in args.optimizers:
         steps, copies = {}, {}
-        configs = CONFIGS
-        if args.skip_nonfinite:
-            configs = ("parent", "ours_k4", "ours_k4_skip")
+        configs = ("parent",) if args.skip_nonfinite else CONFIGS
         for config in configs:
             steps[config], copies[config] = compiled_step(
                 args.workload, config, optimizer_name, args.xla
             )
+        if args.skip_nonfinite:
+            toggled = skip_toggled_steps(
+                args.workload, optimizer_name, args.xla
+            )
+            for config, (step, copied) in toggled.items():
+                steps[config], copies[config] = step, copied
         for config, ms in profile(steps, args.windows).items():
             cells = " | ".join(f"{m:.2f}" for m in ms)
             mean = sum(ms) / len(ms)

@@ -28,9 +28,10 @@ class Accumulation:
         return contextlib.nullcontext()
 
     def _accum_after(self, grads):
-        """Context in which the call's state changes run only once `grads`
+        """Context in which the call's counters change only once `grads`
         (one gradient or `None` per variable) exist: in a graph, a step
-        that fails to produce its data must change no counter."""
+        that fails to produce its data must change no counter. The sums
+        need none: each waits for its own gradient."""
         return contextlib.nullcontext()
 
     def _accum_micro_step(

@@ -3,10 +3,11 @@
 `arrangement()` names the four ways, chosen once per micro-step:
 
 - Eagerly, or in a plain graph (`tf.function` without XLA, no `merge_call`
-  strategy): one `tf.cond(update_switch, window, add)`. The window's last
-  micro-step applies `(sums + grads) / count` without writing the sums, so each
-  variable's update waits only for its own gradient and overlaps the rest
-  of the backward pass, as the parent optimizer's does.
+  strategy): each gradient goes into its sum by a `tf.cond` of its own,
+  then `tf.cond(update_switch, window)` applies the sums. TensorFlow runs a
+  function's side effects once all its inputs exist: a branch that took
+  every gradient would hold them all until the backward pass ended, where
+  the parent frees each as it applies it.
 - Under XLA: add on every micro-step, then a gate that is a `tf.while_loop`
   running zero times or once. A `tf.cond` whose branch writes variables
   makes XLA copy every variable it touches on every call, taken or not; the
@@ -18,7 +19,8 @@
   its own replica-local sums; the gate is a `tf.cond` built in
   cross-replica context whose branch runs the window in each replica with
   `call_for_each_replica`, as Keras' `LossScaleOptimizer` does; the sums
-  are all-reduced once, inside the window.
+  are all-reduced once, inside the window. The gradients go into the sums
+  by one branch each, as in a plain graph.
 
 The window's end zeroes only the counter; the next window's first
 micro-step overwrites the sums (`assign(grad)` hands the gradient's buffer
@@ -26,6 +28,7 @@ to the variable, cheaper than zeroing into a fresh buffer).
 """
 
 import contextlib
+import functools
 
 import tensorflow as tf
 
@@ -61,9 +64,8 @@ class TFAccumulation(Accumulation):
     def _accum_after(self, grads):
         if tf.executing_eagerly():
             return super()._accum_after(grads)
-        # Every gradient depends on the step's data: one suffices, and the
-        # last variable's is the first the backward pass computes, so the
-        # counters wait the least.
+        # Every gradient depends on the step's data: one suffices. Only
+        # scalar counters wait for it (see `_accum_take_micro_step`).
         last = next(g for g in reversed(grads) if g is not None)
         if isinstance(last, tf.IndexedSlices):
             last = last.values
@@ -88,56 +90,49 @@ class TFAccumulation(Accumulation):
                 else g
                 for g in grads
             ]
-            self._accum_add(sums, grads, new_window, weight)
+            self._accum_add_each(sums, grads, new_window, weight)
             _run_in_each_replica_if(
                 update_switch, lambda: apply_window([s.value for s in sums])
             )
         else:
-            self._accum_branch(
-                sums, grads, new_window, update_switch, apply_window, weight
+            self._accum_add_each(sums, grads, new_window, weight)
+            _branch(
+                update_switch,
+                lambda: apply_window([s.value for s in sums]),
+                lambda: None,
             )
 
-    def _accum_branch(
-        self, sums, grads, new_window, update_switch, apply_window, weight
-    ):
-        """Eagerly or in a plain graph: the window's last micro-step applies
-        `sums + grads` without writing the sums; the others add, scattering
-        `IndexedSlices` (embedding gradients) instead of densifying them."""
+    def _accum_add_each(self, sums, grads, new_window, weight):
+        """Eagerly or in a graph without XLA: each gradient goes into its sum
+        by a branch of its own, overwriting it on a new window, else adding
+        (scattering `IndexedSlices` instead of densifying them).
+
+        One branch per gradient: TensorFlow runs a function's side effects
+        once all its inputs exist, so a branch taking every gradient would
+        hold them all until the backward pass ends, where the parent frees
+        each as soon as it is applied.
+        """
         grads = self._accum_weighed(sums, grads, weight)
-        # Only a window of 1 (`skip_nonfinite`, a schedule, samples
-        # counted) closes on its first micro-step, where the sums still
-        # hold the previous window's.
-        first = new_window if self._accum_min_window_size == 1 else None
-
-        def window():
-            apply_window(
-                [_plus(s.value, grad, first) for s, grad in zip(sums, grads)]
+        for total, grad in zip(sums, grads):
+            _branch(
+                new_window,
+                functools.partial(self._accum_overwrite, total, grad),
+                functools.partial(self._accum_add_one, total, grad),
             )
-            return tf.constant(True)
 
-        def overwrite():
-            for total, grad in zip(sums, grads):
-                if grad is None or isinstance(grad, tf.IndexedSlices):
-                    total.assign(tf.zeros_like(total.value))
-                if grad is None:
-                    continue
-                if isinstance(grad, tf.IndexedSlices):
-                    self.assign_add(total, grad)
-                else:
-                    total.assign(tf.cast(grad, total.dtype))
-            return tf.constant(True)
+    def _accum_overwrite(self, total, grad):
+        """`total = grad` (zero for `None`)."""
+        if grad is None or isinstance(grad, tf.IndexedSlices):
+            total.assign(tf.zeros_like(total.value))
+        if isinstance(grad, tf.IndexedSlices):
+            self.assign_add(total, grad)
+        elif grad is not None:
+            total.assign(tf.cast(grad, total.dtype))
 
-        def add():
-            for total, grad in zip(sums, grads):
-                if grad is not None:
-                    self.assign_add(total, grad)
-            return tf.constant(False)
-
-        def accumulate():
-            _branch(new_window, overwrite, add)
-            return tf.constant(False)
-
-        _branch(update_switch, window, accumulate)
+    def _accum_add_one(self, total, grad):
+        """`total += grad` (nothing for `None`)."""
+        if grad is not None:
+            self.assign_add(total, grad)
 
     def _accum_check_traced_weight(self, weight):
         if self._accum_zero_weight_allowed():
@@ -238,26 +233,15 @@ class TFAccumulation(Accumulation):
         return grads_and_vars
 
 
-def _plus(total, grad, new_window=None):
-    """The window's total, `total + grad`; `grad` alone where `new_window`
-    (a tensor, when given) is true."""
-    if new_window is not None:
-        total = tf.where(new_window, tf.zeros_like(total), total)
-    if grad is None:
-        return total
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.tensor_scatter_nd_add(
-            total,
-            tf.expand_dims(grad.indices, -1),
-            tf.cast(grad.values, total.dtype),
-        )
-    return total + tf.cast(grad, total.dtype)
-
-
 def _branch(pred, true_fn, false_fn):
     """`tf.cond` in a graph, a Python `if` eagerly."""
     if not tf.executing_eagerly():
-        tf.cond(pred, true_fn, false_fn)
+
+        def returning(fn):
+            # A branch must return something; both, the same.
+            return lambda: (fn(), tf.constant(True))[1]
+
+        tf.cond(pred, returning(true_fn), returning(false_fn))
     elif bool(pred):
         true_fn()
     else:
