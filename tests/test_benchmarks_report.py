@@ -112,3 +112,10 @@ def test_markdown_lists_rates_and_ratios_without_verdicts():
     ) in table
     assert "| jax | mlp | - | - | 3 | - | 0 |" in table
     assert "**NO**" not in table
+
+
+def test_the_state_check_allows_the_window_state_and_nothing_more():
+    from accum_optimizers._restore import WINDOW_STATE
+
+    scalars = [state for state in WINDOW_STATE if not state.per_variable]
+    assert report.WINDOW_SCALARS == len(scalars)
