@@ -44,7 +44,11 @@ def _jax_step(model, data):
     """Returns (one synchronous step, copies in the compiled step)."""
     import jax
 
-    step = jax.jit(model.train_step, donate_argnums=0)
+    # A function of its own: JAX caches traces by function, and a second
+    # step of the same model may trace it differently (`skip_nonfinite`).
+    step = jax.jit(
+        lambda state, data: model.train_step(state, data), donate_argnums=0
+    )
     # Copies: a second step of the same model must not find its state
     # donated by the first.
     state = [

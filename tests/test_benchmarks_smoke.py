@@ -71,6 +71,10 @@ PROFILES = [
         marks=pytest.mark.backends("tensorflow"),
         id="window_steps-adam-xla",
     ),
+    pytest.param(
+        ["--windows", "2", "--optimizers", "adam", "--skip-nonfinite"],
+        id="window_steps-adam-skip",
+    ),
 ]
 
 
@@ -85,6 +89,8 @@ def test_window_profiler_runs_and_prints_its_table(arguments, capsys):
     rows = [line for line in out.splitlines() if line[:2] == "| "]
     # The header and a row per configuration.
     assert len(rows) >= 4
+    if "--skip-nonfinite" in arguments:
+        assert "| ours_k4_skip |" in out
 
 
 @pytest.mark.backends("jax")
