@@ -283,14 +283,6 @@ class GradientAccumulation(BackendAccumulation):
         )
 
     @property
-    def _accum_min_window_size(self):
-        """The smallest window the optimizer closes."""
-        schedule = self._accum_schedule
-        if schedule is None:
-            return self.accum_iters
-        return schedule.min_accum_iters
-
-    @property
     def _accum_schedule(self):
         """The `AccumSchedule` `accum_iters` stands for, or `None` for a
         constant window size."""

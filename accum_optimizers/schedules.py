@@ -58,8 +58,8 @@ class AccumSchedule:
     Subclasses implement `__call__(update)`, which takes the number of
     applied updates (an int32 scalar tensor, or a Python int) and returns
     the window size `k >= 1` for the next update, written with `keras.ops`
-    so that it runs in compiled code; and `get_config()`. The schedule
-    should also say the smallest window it returns in `min_accum_iters`
+    so that it runs in compiled code; and `get_config()`.
+    `min_accum_iters`, the smallest window it returns, is informational
     (`1` if unknown).
     """
 
