@@ -24,15 +24,17 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WAYS = ("every_step", "per_window")
+# How long a rank waits for the others in a collective.
+GROUP_TIMEOUT_S = 120
 
 
 def parse(argv=None):
@@ -66,8 +68,13 @@ def rank_main(args):
     from accum_optimizers import AdamAccumulate
     from accum_optimizers.torch_distributed import sync_windows
 
+    # Shorter than any caller's patience: a rank left alone fails.
     dist.init_process_group(
-        "gloo", init_method="env://", timeout=datetime.timedelta(seconds=300)
+        "gloo",
+        init_method=os.environ["ACCUM_INIT_METHOD"],
+        rank=args.rank,
+        world_size=args.ranks,
+        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
     )
     calls = {"all_reduce": 0, "backward": 0}
 
@@ -149,27 +156,17 @@ def rank_main(args):
     dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse(argv)
-    if args.rank is not None:
-        return rank_main(args)
-    port = free_port()
+def run_ranks(args, argv, store):
+    """Runs every rank, meeting through the file `store` (a port picked
+    beforehand can be taken by another process before rank 0 binds it);
+    kills the others when one fails. Returns (exit codes, rank 0's
+    output)."""
     processes = []
     for rank in range(args.ranks):
         env = dict(
             os.environ,
             KERAS_BACKEND="torch",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            WORLD_SIZE=str(args.ranks),
+            ACCUM_INIT_METHOD=f"file://{store}",
             OMP_NUM_THREADS="1",
             TF_CPP_MIN_LOG_LEVEL="3",
         )
@@ -183,11 +180,28 @@ def main(argv=None):
                 text=True,
             )
         )
-    out, _ = processes[0].communicate()
-    for process in processes[1:]:
-        process.wait()
-    if any(p.returncode for p in processes):
-        print("a rank failed", file=sys.stderr)
+    try:
+        out, _ = processes[0].communicate()
+        for process in processes[1:] if processes[0].returncode == 0 else []:
+            # Past the group's timeout a rank waiting for a dead one fails.
+            process.wait(timeout=GROUP_TIMEOUT_S + 30)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return [process.returncode for process in processes], out
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
+    if args.rank is not None:
+        return rank_main(args)
+    with tempfile.TemporaryDirectory() as rendezvous:
+        codes, out = run_ranks(args, argv, Path(rendezvous) / "store")
+    if any(codes):
+        print(f"a rank failed (exit codes {codes})", file=sys.stderr)
         return 1
     ranks = json.loads(out.splitlines()[-1])
     print(

@@ -1,7 +1,9 @@
 """Worker for test_distribution_torch.py: one rank of torch DDP over gloo.
 
-    MASTER_ADDR=127.0.0.1 MASTER_PORT=... RANK=r WORLD_SIZE=2 \
+    ACCUM_INIT_METHOD=file:///tmp/store RANK=r WORLD_SIZE=2 \
         KERAS_BACKEND=torch python distribution_torch_worker.py OUT
+
+(`ACCUM_INIT_METHOD` defaults to `env://`: MASTER_ADDR and MASTER_PORT.)
 
 The setup of Keras' guide "Multi-GPU distributed training with PyTorch", on
 CPU processes: each rank builds the same small Keras model (a
@@ -192,7 +194,11 @@ def main(out):
     assert keras.backend.backend() == "torch"
     rank = int(os.environ["RANK"])
     dist.init_process_group(
-        "gloo", init_method="env://", timeout=datetime.timedelta(seconds=120)
+        "gloo",
+        init_method=os.environ.get("ACCUM_INIT_METHOD", "env://"),
+        rank=rank,
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=datetime.timedelta(seconds=120),
     )
     try:
         assert dist.get_world_size() == WORLD_SIZE

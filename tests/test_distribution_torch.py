@@ -32,7 +32,6 @@ never reduced, so the unreduced micro-steps would make the ranks diverge.
 """
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -112,19 +111,15 @@ def test_data_parallel_with_explicit_devices_is_ignored():
 # -- DistributedDataParallel over 2 processes --------------------------------
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(out, world_size):
     """Runs every rank to completion, or kills them all; judges exit codes.
 
     Each rank's output goes to `out/rank{r}.log` (a file, not a pipe: no
     rank can block on a full pipe while the test waits on another).
     """
-    port = free_port()
+    # A file rendezvous: a port picked beforehand can be taken by another
+    # process before rank 0 binds it.
+    store = out / "rendezvous"
     processes = []
     timed_out = False
     try:
@@ -132,8 +127,7 @@ def run_ranks(out, world_size):
             env = dict(
                 os.environ,
                 KERAS_BACKEND="torch",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
+                ACCUM_INIT_METHOD=f"file://{store}",
                 RANK=str(rank),
                 WORLD_SIZE=str(world_size),
                 OMP_NUM_THREADS="1",  # 2 processes on 2 cores
