@@ -6,25 +6,17 @@ non-finite whenever one of its terms is (NaN propagates; an infinity stays
 one, or meets the opposite one and makes NaN). It is the cheapest reduction
 every backend has, a fraction of `isfinite(...).all()`, which materialises
 or reads a boolean per entry. Finite entries can overflow into an infinite
-sum, though:
-
-- eagerly, and in a TensorFlow graph, the exact test runs only when a sum
-  is not finite (a Python branch; a `tf.cond`);
-- under XLA (JAX, TensorFlow's `jit_compile`), where a conditional costs
-  copies, each entry is multiplied by 2**-100 first, exactly (a power of
-  two) and fused into the sum: no sum of fewer than 10**30 finite float32
-  entries then overflows, and infinities and NaN stay what they are.
+sum, though: the exact test runs only when a sum is not finite (a
+Python branch eagerly; a conditional in compiled code, which returns one
+bool, so that even XLA copies nothing for it).
 """
 
 from keras import backend
 from keras import ops
 
-from accum_optimizers import _keras_private
 from accum_optimizers._validation import concrete_value
 
 _NARROW = ("float16", "bfloat16")
-# float32's largest finite value times this is below 3e8.
-_SHRINK = 2.0**-100
 
 
 def all_finite(grads):
@@ -34,10 +26,6 @@ def all_finite(grads):
     values = [_wide(_entries(grad)) for grad in grads if grad is not None]
     if not values:
         return True
-    if _under_xla(values[0]):
-        return _sums_are_finite(
-            [ops.multiply(value, _SHRINK) for value in values]
-        )
     probably = _sums_are_finite(values)
     known = concrete_value(probably)
     if known is not None:
@@ -84,18 +72,6 @@ def _exactly_finite(values):
     return ops.all(
         ops.stack([ops.all(ops.isfinite(value)) for value in values])
     )
-
-
-def _under_xla(value):
-    """Whether `value` is traced for XLA: a JAX tracer, or a tensor of a
-    TensorFlow graph that XLA compiles."""
-    if backend.backend() == "jax":
-        return _keras_private.is_jax_tracer(value)
-    if backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        return not tf.executing_eagerly() and _keras_private.in_xla_context()
-    return False
 
 
 def _entries(grad):

@@ -4,6 +4,7 @@
                                                      [--windows 100]
     KERAS_BACKEND=tensorflow python -m benchmarks.window_steps [--xla]
     KERAS_BACKEND=torch python -m benchmarks.window_steps [--skip-nonfinite]
+                                                     [--micro-batch 128]
 
 Compiles Keras' own `train_step` the way `model.fit` does on the backend
 (`jax.jit` with the state donated; `tf.function`, with `jit_compile` under
@@ -77,9 +78,12 @@ def _torch_step(model, data):
     return lambda: model.train_step(data), None
 
 
-def compiled_step(workload, config, optimizer_name, xla=False):
-    """Returns (one synchronous train step of `config`, copies in it)."""
-    batch = workloads.WORKLOADS[workload][0]
+def compiled_step(
+    workload, config, optimizer_name, xla=False, micro_batch=None
+):
+    """Returns (one synchronous train step of `config`, copies in it), on
+    micro-batches of `micro_batch` samples (`None`: the workload's)."""
+    batch = micro_batch or workloads.WORKLOADS[workload][0]
     x, y = workloads.data(workload, batch * 8)
     model, _ = worker.compiled_model(
         workload, config, optimizer_name, xla, contextlib.nullcontext
@@ -88,13 +92,14 @@ def compiled_step(workload, config, optimizer_name, xla=False):
     return step_runner(model, (x[:batch], y[:batch]), xla)
 
 
-def skip_toggled_steps(workload, optimizer_name, xla=False):
+def skip_toggled_steps(workload, optimizer_name, xla=False, micro_batch=None):
     """Returns `{config: (step, copies)}` for `ours_k4` and `ours_k4_skip`
     on one model and optimizer, `skip_nonfinite` set before each call (read
     when the step is traced, or at each call eagerly): the two differ by
     the check alone, not by where their buffers lie (two builds of one
-    configuration differ by more than the check costs)."""
-    batch = workloads.WORKLOADS[workload][0]
+    configuration differ by more than the check costs). `micro_batch` as
+    in `compiled_step`."""
+    batch = micro_batch or workloads.WORKLOADS[workload][0]
     x, y = workloads.data(workload, batch * 8)
     model, _ = worker.compiled_model(
         workload, "ours_k4", optimizer_name, xla, contextlib.nullcontext
@@ -169,7 +174,15 @@ def main(argv=None):
     )
     parser.add_argument("--xla", action="store_true")
     parser.add_argument("--skip-nonfinite", action="store_true")
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=None,
+        help="samples per micro-batch (default: the workload's)",
+    )
     args = parser.parse_args(argv)
+    if args.micro_batch is not None and args.micro_batch < 1:
+        parser.error(f"--micro-batch must be >= 1, not {args.micro_batch}")
     backend = keras.backend.backend()
     if args.xla and backend != "tensorflow":
         parser.error(f"--xla needs KERAS_BACKEND=tensorflow, not {backend}")
@@ -178,7 +191,11 @@ def main(argv=None):
         "tensorflow": "tf.function" + (", XLA" if args.xla else ""),
         "torch": "eager",
     }[backend]
-    print(f"{args.workload}, {how}; ms per call by position in the window")
+    batch = args.micro_batch or workloads.WORKLOADS[args.workload][0]
+    print(
+        f"{args.workload}, micro-batch {batch}, {how}; "
+        "ms per call by position in the window"
+    )
     print("| optimizer | configuration | 1 | 2 | 3 | 4 | mean | copies |")
     print("|---|---|---|---|---|---|---|---|")
     for optimizer_name in args.optimizers:
@@ -186,11 +203,11 @@ def main(argv=None):
         configs = ("parent",) if args.skip_nonfinite else CONFIGS
         for config in configs:
             steps[config], copies[config] = compiled_step(
-                args.workload, config, optimizer_name, args.xla
+                args.workload, config, optimizer_name, args.xla, batch
             )
         if args.skip_nonfinite:
             toggled = skip_toggled_steps(
-                args.workload, optimizer_name, args.xla
+                args.workload, optimizer_name, args.xla, batch
             )
             for config, (step, copied) in toggled.items():
                 steps[config], copies[config] = step, copied

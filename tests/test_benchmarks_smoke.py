@@ -72,7 +72,15 @@ PROFILES = [
         id="window_steps-adam-xla",
     ),
     pytest.param(
-        ["--windows", "2", "--optimizers", "adam", "--skip-nonfinite"],
+        [
+            "--windows",
+            "2",
+            "--optimizers",
+            "adam",
+            "--skip-nonfinite",
+            "--micro-batch",
+            "5",
+        ],
         id="window_steps-adam-skip",
     ),
 ]
@@ -91,6 +99,8 @@ def test_window_profiler_runs_and_prints_its_table(arguments, capsys):
     assert len(rows) >= 4
     if "--skip-nonfinite" in arguments:
         assert "| ours_k4_skip |" in out
+    if "--micro-batch" in arguments:
+        assert "micro-batch 5," in out
 
 
 @pytest.mark.backends("jax")

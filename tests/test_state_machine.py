@@ -210,13 +210,14 @@ class AccumulationMachine(RuleBasedStateMachine):
     @rule(
         grads=grad_values,
         position=st.integers(0, len(SHAPES) - 1),
+        entry=st.integers(0, 2**16),
         value=st.sampled_from([float("nan"), float("inf"), -float("inf")]),
         weight=weights,
     )
-    def apply_nonfinite(self, grads, position, value, weight):
+    def apply_nonfinite(self, grads, position, entry, value, weight):
         # Left out: by the LossScaleOptimizer first (which halves its
-        # scale), or else by `skip_nonfinite`.
-        grads[position].flat[0] = value
+        # scale), or else by `skip_nonfinite`. Any entry of the gradient.
+        grads[position].flat[entry % grads[position].size] = value
         if self.frozen:
             grads = [None] + grads[1:]
             if position == 0:

@@ -98,6 +98,38 @@ def test_a_nonfinite_micro_batch_is_left_out_of_its_window(mode, weighted):
     assert int(to_numpy(ours.micro_batches_seen)) == len(steps) - len(bad)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_one_nonfinite_entry_anywhere_in_a_large_gradient_is_caught(mode):
+    # Where it lies must not matter to the check's sums, tiled or
+    # vectorised (XLA reduces 1024 entries in blocks), nor its sign.
+    shapes = ((1024,), (33, 31))
+    rng = np.random.default_rng(5)
+    initial = [rng.normal(size=s).astype("float32") for s in shapes]
+    variables = [keras.Variable(v) for v in initial]
+    ours = SGDAccumulate(learning_rate=0.1, accum_iters=2, skip_nonfinite=True)
+    step = applier(ours, variables, mode)
+    finite = [
+        [rng.normal(size=s).astype("float32") for s in shapes] for _ in range(2)
+    ]
+    bad = 0
+    for value in (np.nan, np.inf, -np.inf):
+        for which in range(2):
+            for position in (0, 517, -1):
+                grads = [g.copy() for g in finite[bad % 2]]
+                grads[which].flat[position] = value
+                step(grads)
+                bad += 1
+    step(finite[0])
+    step(finite[1])
+    reference = [keras.Variable(v) for v in initial]
+    parent_on_window_means(
+        keras.optimizers.SGD(learning_rate=0.1), reference, [finite]
+    )
+    assert int(to_numpy(ours.skipped_micro_batches)) == bad == 18
+    assert int(to_numpy(ours.iterations)) == 1
+    assert_all_close(variables, reference, rtol=RTOL, atol=ATOL)
+
+
 def test_without_skip_nonfinite_a_nonfinite_micro_batch_poisons_the_window():
     ours = SGDAccumulate(learning_rate=0.1, accum_iters=2)
     variables = _variables()
