@@ -40,6 +40,11 @@ from accum_optimizers._memory import free_memory
 from accum_optimizers._memory import is_out_of_memory
 from accum_optimizers._memory import memory_limit_bytes
 from accum_optimizers._memory import probe
+from accum_optimizers._micro_batches import EpochOrder
+from accum_optimizers._micro_batches import MicroBatches
+from accum_optimizers._micro_batches import arrays
+from accum_optimizers._micro_batches import head
+from accum_optimizers._micro_batches import sample_count
 from accum_optimizers.callbacks import FlushAccumulation
 from accum_optimizers.weighting import accumulating_optimizers
 from accum_optimizers.weighting import weigh_micro_batches
@@ -167,22 +172,22 @@ def plan_micro_batch(
             f"memory_limit={memory_limit!r}"
         )
     optimizers = _prepared_optimizers(model)
-    data = _arrays(x, y, sample_weight)
-    count = _sample_count(data)
+    data = arrays(x, y, sample_weight)
+    count = sample_count(data)
     _build(model, optimizers, data)
     weigh_micro_batches(model)
     if micro_batch_size is not None:
         _set_window(model, optimizers, target, micro_batch_size)
         peak = None
         if backend.backend() == "jax":
-            peak = compiled_peak(model, _head(data, micro_batch_size))
+            peak = compiled_peak(model, head(data, micro_batch_size))
         return MicroBatchPlan(target, micro_batch_size, peak, limit)
 
     if limit is not None:
 
         def fits(size):
             _set_window(model, optimizers, target, size)
-            peak = compiled_peak(model, _head(data, size))
+            peak = compiled_peak(model, head(data, size))
             return peak <= limit, peak
 
         method = "memory_analysis"
@@ -190,7 +195,7 @@ def plan_micro_batch(
 
         def fits(size):
             _set_window(model, optimizers, target, size)
-            return probe(model, optimizers, _head(data, min(size, count)))
+            return probe(model, optimizers, head(data, min(size, count)))
 
         method = "out_of_memory_probes"
     probes = []
@@ -317,7 +322,7 @@ def fit_to_memory(
             "steps before it applied and unaccounted for. Received: "
             f"steps_per_execution={model.steps_per_execution}"
         )
-    data = _arrays(x, y, sample_weight)
+    data = arrays(x, y, sample_weight)
     plan = plan_micro_batch(
         model,
         data[0],
@@ -331,13 +336,13 @@ def fit_to_memory(
     if printing:
         print(f"fit_to_memory: {plan}")
     optimizers = accumulating_optimizers(model.optimizer)
-    order = _EpochOrder(_sample_count(data), shuffle, seed)
+    order = EpochOrder(sample_count(data), shuffle, seed)
     tracker = _Tracker(optimizers)
     callbacks = [tracker] + _with_flush(callbacks)
     epoch, start = initial_epoch, 0
     model.stop_training = False
     while epoch < epochs and not model.stop_training:
-        batches = _MicroBatches(
+        batches = MicroBatches(
             data,
             order,
             plan.target_batch_size,
@@ -489,67 +494,6 @@ def _inner_count(optimizer):
     return len(getattr(optimizer, "optimizers", [optimizer]))
 
 
-def _arrays(x, y, sample_weight):
-    """`(x, y, sample_weight)` with numpy leaves, all as long."""
-    structure = (x, y, sample_weight)
-    leaves = [leaf for leaf in keras.tree.flatten(x) if leaf is not None]
-    for name, value in zip(("x", "y", "sample_weight"), structure):
-        for leaf in keras.tree.flatten(value):
-            if leaf is None:
-                continue
-            if not (isinstance(leaf, np.ndarray) or _is_tensor(leaf)):
-                raise TypeError(
-                    "fit_to_memory takes arrays (numpy arrays or backend "
-                    "tensors, or lists, tuples or dicts of them): recovering "
-                    "from an out-of-memory error re-cuts the epoch's "
-                    "samples. Datasets, generators and `PyDataset`s are "
-                    f"not supported. Received: {name} of type "
-                    f"{type(leaf).__name__}"
-                )
-    if not leaves:
-        raise ValueError("fit_to_memory: `x` holds no array.")
-    return keras.tree.map_structure(
-        lambda leaf: (
-            None if leaf is None else np.asarray(ops.convert_to_numpy(leaf))
-        ),
-        structure,
-    )
-
-
-def _is_tensor(value):
-    return ops.is_tensor(value) or type(value).__module__.startswith(
-        ("tensorflow", "jax", "torch")
-    )
-
-
-def _sample_count(data):
-    counts = {
-        int(np.shape(leaf)[0])
-        for leaf in keras.tree.flatten(data)
-        if leaf is not None
-    }
-    if len(counts) != 1:
-        raise ValueError(
-            "fit_to_memory: `x`, `y` and `sample_weight` must hold the same "
-            f"number of samples. Received: sample counts {sorted(counts)}"
-        )
-    (count,) = counts
-    if count == 0:
-        raise ValueError("fit_to_memory: `x` holds no sample.")
-    return count
-
-
-def _head(data, size):
-    return _map(lambda leaf: leaf[:size], data)
-
-
-def _map(function, data):
-    """`function` on every array of `data`, `None`s kept."""
-    return keras.tree.map_structure(
-        lambda leaf: None if leaf is None else function(leaf), data
-    )
-
-
 # -- The window -----------------------------------------------------------
 
 
@@ -559,7 +503,7 @@ def _build(model, optimizers, data):
     for optimizer in optimizers:
         if not optimizer.built:
             optimizer.accum_iters = max(2, optimizer.accum_iters)
-    _keras_private.symbolic_build(model, _head(data, 1))
+    _keras_private.symbolic_build(model, head(data, 1))
     for optimizer in optimizers:
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
@@ -584,9 +528,6 @@ def _continue_window(optimizers, plan, position):
         optimizer._accum_micro_steps.assign(np.array(micro_steps, "int32"))
 
 
-# -- Probes -----------------------------------------------------------------
-
-
 # -- Training ---------------------------------------------------------------
 
 
@@ -600,52 +541,6 @@ def _fit_until_out_of_memory(model, batches, **kwargs):
             raise
         return error
     return None
-
-
-class _EpochOrder:
-    """The samples' order in each epoch: drawn from `seed` and the epoch
-    number, so that a resumed epoch sees the order it started with."""
-
-    def __init__(self, count, shuffle, seed):
-        self.count = count
-        self.shuffle = shuffle
-        self.seed = seed
-
-    def __call__(self, epoch):
-        if not self.shuffle:
-            return np.arange(self.count)
-        return np.random.default_rng([self.seed, epoch]).permutation(self.count)
-
-
-class _MicroBatches(keras.utils.PyDataset):
-    """An epoch's micro-batches from sample `start` of its order: each
-    window of `target` samples (the last shorter) cut into micro-batches of
-    `size` (a window's last one shorter)."""
-
-    def __init__(self, data, order, target, size, start):
-        super().__init__()
-        self.data = data
-        self.order = order
-        self.epoch = 0
-        self.bounds = []
-        count = order.count
-        low = start
-        while low < count:
-            window_end = min(count, (low // target + 1) * target)
-            high = min(low + size, window_end)
-            self.bounds.append((low, high))
-            low = high
-
-    def __len__(self):
-        return len(self.bounds)
-
-    def __getitem__(self, index):
-        low, high = self.bounds[index]
-        samples = self.order(self.epoch)[low:high]
-        x, y, sample_weight = _map(lambda leaf: leaf[samples], self.data)
-        if sample_weight is None:
-            return (x,) if y is None else (x, y)
-        return x, y, sample_weight
 
 
 class _Tracker(keras.callbacks.Callback):
