@@ -104,6 +104,18 @@ def test_window_profiler_runs_and_prints_its_table(arguments, capsys):
 
 
 @pytest.mark.backends("jax")
+def test_optax_skip_benchmark_times_both_skips_on_one_model(capsys):
+    pytest.importorskip("optax")
+    from benchmarks import optax_skip
+
+    optax_skip.main(["--windows", "2", "--micro-batch", "4"])
+    out = capsys.readouterr().out
+    for config in ("ours_k4", "ours_k4_skip", "optax_k4", "optax_k4_skip"):
+        assert f"| {config} |" in out
+    assert "optax_k4_skip / ours_k4_skip:" in out
+
+
+@pytest.mark.backends("jax")
 def test_memory_benchmark_measures_peaks_and_reports_extra_over_sums(capsys):
     # The JAX worker in this process (`python -m benchmarks.memory` runs it
     # in a process per backend), on the smoke workload; no ratio is judged.
