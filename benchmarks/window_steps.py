@@ -20,7 +20,8 @@ window and, on JAX, the number of `copy` instructions in the compiled
 step. Ours should cost the ceiling on steps 1-3 and the parent on step 4.
 `--skip-nonfinite` times the parent, ours and ours with
 `skip_nonfinite=True` (`ours_k4_skip`), the last two on one model and
-optimizer, for the cost of the check.
+optimizer, for the cost of the check. `--micro-batch` sets the samples
+per micro-batch (default: the workload's).
 """
 
 import argparse
