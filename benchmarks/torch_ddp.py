@@ -22,6 +22,7 @@ exchange is cheap (shared memory); between machines it is the network.
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import statistics
@@ -33,8 +34,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WAYS = ("every_step", "per_window")
-# How long a rank waits for the others in a collective.
+# How long a rank waits for the others in a collective, and to leave.
 GROUP_TIMEOUT_S = 120
+TEARDOWN_TIMEOUT_S = 60
 
 
 def parse(argv=None):
@@ -152,8 +154,16 @@ def rank_main(args):
     gathered = [None] * args.ranks
     dist.all_gather_object(gathered, result)
     if args.rank == 0:
-        print(json.dumps(gathered))
+        print(json.dumps(gathered), flush=True)
+    # A rank has hung after its results were in, in the interpreter's
+    # teardown of the backends' threads: the ranks leave the group
+    # together, then end at once (the stacks go to stderr if leaving
+    # stalls).
+    faulthandler.dump_traceback_later(TEARDOWN_TIMEOUT_S, exit=True)
+    dist.barrier()
     dist.destroy_process_group()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(args, argv, store):
