@@ -155,10 +155,9 @@ def rank_main(args):
     dist.all_gather_object(gathered, result)
     if args.rank == 0:
         print(json.dumps(gathered), flush=True)
-    # A rank has hung after its results were in, in the interpreter's
-    # teardown of the backends' threads: the ranks leave the group
-    # together, then end at once (the stacks go to stderr if leaving
-    # stalls).
+    # A rank has hung after its results were in: the ranks leave the
+    # group together, then end at once, skipping the interpreter's
+    # teardown (the stacks go to stderr if leaving stalls).
     faulthandler.dump_traceback_later(TEARDOWN_TIMEOUT_S, exit=True)
     dist.barrier()
     dist.destroy_process_group()
