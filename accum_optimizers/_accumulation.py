@@ -50,6 +50,7 @@ from keras import backend
 from keras import config as keras_config
 from keras import ops
 
+from accum_optimizers import _args
 from accum_optimizers import _keras_private
 
 # `LossScaleOptimizer` around an accumulating optimizer: `weight=` and
@@ -69,40 +70,10 @@ from accum_optimizers._restore import is_empty
 from accum_optimizers._restore import lasting_values
 from accum_optimizers._restore import plan_restore
 from accum_optimizers._restore import saved_samples_seen
+from accum_optimizers._validation import LOW_PRECISION_DTYPES
 from accum_optimizers._validation import concrete_value
-from accum_optimizers._validation import validate_accumulator_dtype
-from accum_optimizers._validation import validate_decay
+from accum_optimizers._validation import validate_loss
 from accum_optimizers._validation import validate_weight
-
-_LOW_PRECISION_DTYPES = ("float16", "bfloat16")
-
-# The accumulation arguments, documented once: for `GradientAccumulation`
-# and for every class `accumulating` makes (`parent` names the parent).
-ACCUMULATION_ARGS = """\
-    accum_iters: Integer >= 1, dict or `AccumSchedule`. Number of
-        micro-batches (`apply` calls) whose gradients are averaged into
-        one update. A dict `{{update: k}}` (first key `0`) or an
-        `AccumSchedule` makes it a function of applied updates (see
-        `accum_optimizers.schedules`). Defaults to `1`, which behaves
-        exactly like {parent}.
-    skip_nonfinite: Boolean. Leave a micro-batch whose gradients are not
-        all finite (after a `LossScaleOptimizer` unscaled them) out of its
-        window: it adds nothing and counts in neither `micro_steps` nor
-        the window's weight, and the window closes after `accum_iters`
-        finite micro-batches. Under `tf.distribute`, `keras.distribution`
-        and `torch_distributed.sync_windows` every replica skips it when
-        any replica's gradients are not finite. `skipped_micro_batches`
-        counts them. Defaults to `False`.
-    accumulator_dtype: Dtype of the gradient sums: `"float16"`,
-        `"bfloat16"`, `"float32"` or `"float64"`. Defaults to `None`:
-        `"float32"` for `float16`/`bfloat16` variables, the variable's own
-        dtype otherwise. float16 sums refuse weighted windows.
-    lr: Deprecated Keras 2 alias of `learning_rate`; warns. Passing both is
-        an error.
-    decay: Deprecated Keras 2 time decay (`learning_rate /
-        (1 + decay * iterations)`, `iterations` counting applied updates);
-        warns. Defaults to `None`."""
-
 
 class GradientAccumulation(BackendAccumulation):
     """Mixin that makes a Keras optimizer accumulate gradients.
@@ -119,30 +90,20 @@ class GradientAccumulation(BackendAccumulation):
 
     _accum_parent = None
 
-    def __init__(
-        self,
-        *args,
-        accum_iters=1,
-        skip_nonfinite=False,
-        accumulator_dtype=None,
-        lr=None,
-        decay=None,
-        **kwargs,
-    ):
-        accum_iters = schedules.get(accum_iters)
+    def __init__(self, *args, **kwargs):
+        accumulation = _args.checked(
+            {name: kwargs.pop(name) for name in _args.NAMES if name in kwargs}
+        )
+        accum_iters = accumulation["accum_iters"]
         schedule = (
             accum_iters
             if isinstance(accum_iters, schedules.AccumSchedule)
             else None
         )
-        if not isinstance(skip_nonfinite, (bool, np.bool_)):
-            raise TypeError(
-                "`skip_nonfinite` must be a bool. Received: "
-                f"skip_nonfinite={skip_nonfinite!r}"
-            )
-        accumulator_dtype = validate_accumulator_dtype(accumulator_dtype)
-        decay = validate_decay(decay)
-        arguments = self._accum_parent_arguments(args, kwargs, lr)
+        decay = accumulation["decay"]
+        arguments = self._accum_parent_arguments(
+            args, kwargs, accumulation["lr"]
+        )
         steps = arguments.arguments.get("gradient_accumulation_steps")
         if (schedule or accum_iters > 1) and steps:
             raise ValueError(
@@ -161,12 +122,9 @@ class GradientAccumulation(BackendAccumulation):
                 stacklevel=2,
             )
         super().__init__(*arguments.args[1:], **arguments.kwargs)
-        if isinstance(schedule, schedules.PiecewiseConstantAccumIters):
-            accum_iters = dict(schedule.boundaries)
-        # An int, a dict `{update: k}`, or an `AccumSchedule`.
         self.accum_iters = accum_iters
-        self.skip_nonfinite = bool(skip_nonfinite)
-        self.accumulator_dtype = accumulator_dtype
+        self.skip_nonfinite = accumulation["skip_nonfinite"]
+        self.accumulator_dtype = accumulation["accumulator_dtype"]
         self.decay = decay
 
     def _accum_parent_arguments(self, args, kwargs, lr):
@@ -228,7 +186,7 @@ class GradientAccumulation(BackendAccumulation):
         dtype = self.accumulator_dtype
         if dtype is None:
             dtype = backend.standardize_dtype(variable.dtype)
-            if dtype in _LOW_PRECISION_DTYPES:
+            if dtype in LOW_PRECISION_DTYPES:
                 dtype = "float32"
         return self._accum_add_variable(
             f"{variable.path.replace('/', '_')}_accum_sum",
@@ -270,11 +228,42 @@ class GradientAccumulation(BackendAccumulation):
     # -- Introspection -----------------------------------------------------
 
     @property
+    def accum_iters(self):
+        """The window size: an int, a dict `{update: k}`, or an
+        `AccumSchedule` (see the class docstring)."""
+        return self._accum_iters
+
+    @accum_iters.setter
+    def accum_iters(self, accum_iters):
+        schedule = schedules.get(accum_iters)
+        if isinstance(schedule, schedules.PiecewiseConstantAccumIters):
+            accum_iters = dict(schedule.boundaries)
+        else:
+            accum_iters = schedule
+        layout = self.__dict__.get("_accum_layout")
+        if layout is not None and not layout.has_window:
+            needs_window = not isinstance(accum_iters, int) or accum_iters > 1
+            if needs_window:
+                raise ValueError(
+                    f"Cannot set `accum_iters` of '{self.name}' to "
+                    f"{accum_iters!r}: it was built with accum_iters=1, "
+                    "without the window's state (its sums and counters). "
+                    "Set `accum_iters` before the optimizer is built (before "
+                    "the first `fit` or `apply`), or make a new optimizer. "
+                    f"Received: accum_iters={accum_iters!r}"
+                )
+        self._accum_iters = accum_iters
+
+    @property
     def _accumulates(self):
-        """False for `accum_iters=1` (the parent optimizer unchanged),
+        """Whether the optimizer has a window, decided once, when it is
+        built: False for `accum_iters=1` (the parent optimizer unchanged),
         unless the window's state is needed anyway: to skip non-finite
         micro-batches, or to count samples for a learning rate keyed on
         them."""
+        layout = self.__dict__.get("_accum_layout")
+        if layout is not None:
+            return layout.has_window
         return (
             self._accum_schedule is not None
             or self.accum_iters > 1
@@ -425,27 +414,38 @@ class GradientAccumulation(BackendAccumulation):
                 any loss scaling), for `window_loss`, weighed like the
                 gradients. `fit` passes it on its own. Defaults to `None`.
         """
+        # What arrived beside the arguments is taken first: a call that
+        # raises leaves nothing behind for the next one.
         if loss is None:
             loss = self._accum_take_loss()
         handoff = self._accum_take_handoff()
-        scaled, check = False, True
+        loss = validate_loss(loss)
+        scaled, check, valid = False, True, None
         checked = contextlib.nullcontext()
         if weight is None and handoff is not None:
             weight = handoff.weight
             scaled, check = handoff.loss_scaled, handoff.check
             if handoff.checked is not None:
                 checked = handoff.checked()
+            if handoff.may_be_invalid:
+                valid = ops.isfinite(ops.cast(weight, "float32"))
         if weight is not None:
             self._accum_check_weighable()
         if weight is not None and check:
             weight, checked = self._accum_checked_weight(weight)
         with checked:
-            self._accum_apply(grads, trainable_variables, weight, scaled, loss)
+            self._accum_apply(
+                grads, trainable_variables, weight, scaled, loss, valid
+            )
 
-    def _accum_apply(self, grads, trainable_variables, weight, scaled, loss):
+    def _accum_apply(
+        self, grads, trainable_variables, weight, scaled, loss, valid=None
+    ):
         """`apply`, its weight checked; `scaled`: the gradients arrive
         multiplied by it (see `scale_loss`); `loss`: the micro-batch's loss
-        or `None`."""
+        or `None`; `valid`: `None`, or whether a weight that compiled code
+        could not refuse is valid (NaN where not): a micro-batch whose
+        weight is not is left out of its window, as a skipped one."""
         if not self._accumulates:
             # A window of one micro-batch: its weight cancels out.
             return super().apply(grads, trainable_variables)
@@ -467,14 +467,9 @@ class GradientAccumulation(BackendAccumulation):
             )
 
         with keras.name_scope(self.name, caller=self):
-            if not self.skip_nonfinite:
-                return micro_step(None)
-            finite = self._accum_finite_of_threads().pop(
-                threading.get_ident(), None
-            )
+            finite = self._accum_enters_window(grads, valid)
             if finite is None:
-                finite = all_finite(grads)
-            finite = self._accum_agree_finite(finite)
+                return micro_step(None)
             known = concrete_value(finite)
             if known is None:
                 # In compiled code: a branch where the backend's branches
@@ -484,6 +479,24 @@ class GradientAccumulation(BackendAccumulation):
             if bool(known):
                 return micro_step(None)
             self._accum_skipped.assign(self._accum_skipped + 1)
+
+    def _accum_enters_window(self, grads, valid):
+        """Whether the micro-batch enters its window (a bool, or a traced
+        scalar bool), or `None` where every micro-batch does: with
+        `skip_nonfinite`, whether its gradients are finite on every replica;
+        and whether its weight is `valid` (see `_accum_apply`)."""
+        finite = None
+        if self.skip_nonfinite:
+            finite = self._accum_finite_of_threads().pop(
+                threading.get_ident(), None
+            )
+            if finite is None:
+                finite = all_finite(grads)
+        if valid is not None:
+            finite = valid if finite is None else ops.logical_and(finite, valid)
+        if finite is None:
+            return None
+        return self._accum_agree_finite(finite)
 
     def _accum_take_micro_step(
         self, grads, summed, overwrite, weight, scaled, loss, finite
@@ -618,14 +631,19 @@ class GradientAccumulation(BackendAccumulation):
     # -- Weights handed over by `model.fit` ----------------------------------
 
     def _accum_hand_over(
-        self, weight, loss_scaled=False, check=False, checked=None
+        self,
+        weight,
+        loss_scaled=False,
+        check=False,
+        checked=None,
+        may_be_invalid=False,
     ):
         """Sets the weight of this thread's next `apply` (the micro-batch
         whose loss is being computed); see `weigh_micro_batches`."""
         self._accum_check_weighable()
         handoffs = self.__dict__.setdefault("_accum_handoffs", {})
         handoffs[threading.get_ident()] = _Handoff(
-            weight, loss_scaled, check, checked
+            weight, loss_scaled, check, checked, may_be_invalid
         )
 
     def _accum_take_handoff(self):
@@ -858,6 +876,7 @@ class GradientAccumulation(BackendAccumulation):
                 # A JAX train step that failed leaves the variables without
                 # values; let its own error through.
                 pending = 0
+            self._accum_report_refused_weights()
             if int(pending):
                 warnings.warn(
                     f"Training ended with {pending} micro-batches of a window "
@@ -871,6 +890,29 @@ class GradientAccumulation(BackendAccumulation):
                     stacklevel=2,
                 )
         super().finalize_variable_values(var_list)
+
+    def _accum_report_refused_weights(self):
+        """Raises, at the end of `fit`, for micro-batches that compiled code
+        left out of their windows because `weigh_micro_batches` found their
+        loss normalizer negative or not finite (it cannot raise there): with
+        `skip_nonfinite=False` nothing else leaves a micro-batch out."""
+        if self.skip_nonfinite:
+            return
+        try:
+            skipped = int(ops.convert_to_numpy(self._accum_skipped.value))
+        except TypeError:
+            return  # A failed JAX step; its own error goes through.
+        reported = self.__dict__.get("_accum_refused_reported", 0)
+        if skipped > reported:
+            self._accum_refused_reported = skipped
+            raise ValueError(
+                f"weigh_micro_batches(model): {skipped - reported} "
+                "micro-batches had a loss normalizer (the sum of their "
+                "sample weights) that is negative or not finite; they were "
+                "left out of their windows, and the weights did not move for "
+                "them. Negative sample weights are not supported. Received: "
+                f"skipped_micro_batches={skipped}"
+            )
 
     # -- Keras 2 time decay ------------------------------------------------
 
@@ -951,13 +993,9 @@ class GradientAccumulation(BackendAccumulation):
         if isinstance(accum_iters, schedules.AccumSchedule):
             accum_iters = keras.saving.serialize_keras_object(accum_iters)
         config.update(
-            {
-                "accum_iters": accum_iters,
-                "skip_nonfinite": self.skip_nonfinite,
-                "accumulator_dtype": self.accumulator_dtype,
-                "decay": self.decay,
-            }
+            {name: getattr(self, name) for name in _args.config_names()}
         )
+        config["accum_iters"] = accum_iters
         return config
 
     @classmethod
@@ -973,9 +1011,9 @@ class GradientAccumulation(BackendAccumulation):
 
 if GradientAccumulation.__doc__:  # None under `python -OO`
     GradientAccumulation.__doc__ = GradientAccumulation.__doc__.format(
-        accumulation_args=ACCUMULATION_ARGS.format(
-            parent="the parent optimizer"
-        ).replace("\n", "\n    ")
+        accumulation_args=_args.docstring("the parent optimizer").replace(
+            "\n", "\n    "
+        )
     )
 
 
@@ -992,13 +1030,19 @@ class _Handoff:
             call's state changes run: that of the caller's own check of the
             weight (`fit`'s normalizers, checked `>= 0` in a TensorFlow
             graph).
+        may_be_invalid: whether the weight is NaN where the caller could
+            not refuse it (compiled code that cannot raise): the micro-batch
+            is then left out of its window.
     """
 
-    def __init__(self, weight, loss_scaled, check, checked=None):
+    def __init__(
+        self, weight, loss_scaled, check, checked=None, may_be_invalid=False
+    ):
         self.weight = weight
         self.loss_scaled = loss_scaled
         self.check = check
         self.checked = checked
+        self.may_be_invalid = may_be_invalid
 
 
 def _check_shape(grad, variable):

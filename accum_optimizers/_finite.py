@@ -14,9 +14,8 @@ bool, so that even XLA copies nothing for it).
 from keras import backend
 from keras import ops
 
+from accum_optimizers._validation import LOW_PRECISION_DTYPES
 from accum_optimizers._validation import concrete_value
-
-_NARROW = ("float16", "bfloat16")
 
 
 def all_finite(grads):
@@ -82,6 +81,6 @@ def _entries(grad):
 def _wide(value):
     """float16 and bfloat16 entries, summed in float32 (the cast fuses into
     the sum under XLA): their own range overflows at ordinary sizes."""
-    if backend.standardize_dtype(value.dtype) in _NARROW:
+    if backend.standardize_dtype(value.dtype) in LOW_PRECISION_DTYPES:
         return ops.cast(value, "float32")
     return value

@@ -261,9 +261,10 @@ def jax_train_step_loss():
     return None
 
 
-# The optimizer's `apply` runs a few calls below `train_step`
-# (`stateless_apply`, a `LossScaleOptimizer`, a `MultiOptimizer`).
-_JAX_TRAIN_STEP_DEPTH = 12
+# The optimizer's `apply` runs some calls below `train_step`
+# (`stateless_apply`, a `LossScaleOptimizer` whose `lax.cond` adds JAX's
+# own tracing frames, a `MultiOptimizer`); the walk runs once per trace.
+_JAX_TRAIN_STEP_DEPTH = 80
 
 
 # torch's in-place multi-tensor kernels, which Keras' fused torch optimizers
@@ -456,3 +457,13 @@ def set_jax_state_to_variables(model):
         "optimizer_variables": [v.value for v in model.optimizer.variables],
         "metrics_variables": [v.value for v in model.metrics_variables],
     }
+
+
+def forget_jax_state(model):
+    """JAX: drops the state a `train_on_batch` or `fit` left on the model:
+    a step that failed leaves an older one there, which the next `fit`
+    puts back on the variables if its first step fails, or a callback
+    syncs."""
+    if hasattr(model, "_jax_state"):
+        model._jax_state = None
+        model._jax_state_synced = True

@@ -10,6 +10,8 @@ import numpy as np
 from keras import backend
 from keras import ops
 
+from accum_optimizers import _keras_private
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -122,6 +124,7 @@ def probe(model, optimizers, batch):
     finally:
         for variable, value in zip(variables, saved):
             variable.assign(value)
+        _keras_private.forget_jax_state(model)
     if not fits:
         free_memory(model)
     elif backend.backend() == "jax":

@@ -10,6 +10,9 @@ from keras import ops
 
 ACCUMULATOR_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
+# Dtypes whose range overflows at ordinary gradient sums: summed in float32.
+LOW_PRECISION_DTYPES = ("float16", "bfloat16")
+
 # The smallest weight float32 holds at full precision.
 MIN_WEIGHT = float(np.finfo(np.float32).tiny)
 
@@ -148,3 +151,33 @@ def validate_weight(value, weight, zero_allowed=False):
             f"count). Received: weight={weight!r}"
         )
     return float(np.float32(value))
+
+
+def validate_loss(loss):
+    """Returns `loss` (a micro-batch's loss, for `window_loss`) as a float32
+    scalar tensor, or `None`; raises naming `loss` unless it is a real
+    scalar, before any state changes."""
+    if loss is None:
+        return None
+    problem = None
+    if isinstance(loss, (str, bytes)):
+        problem = "a string"
+    else:
+        try:
+            tensor = ops.convert_to_tensor(loss)
+            dtype = backend.standardize_dtype(tensor.dtype)
+        except Exception:  # noqa: BLE001 (each backend raises its own type)
+            dtype = None
+        if dtype is None or not (
+            dtype.startswith(("float", "int", "uint")) or dtype == "bool"
+        ):
+            problem = f"of dtype {dtype}"
+        elif tensor.shape is not None and len(tensor.shape) not in (0, None):
+            if any(d != 1 for d in tensor.shape) or None in tensor.shape:
+                problem = f"of shape {tuple(tensor.shape)}"
+    if problem is not None:
+        raise ValueError(
+            "`loss` must be a real scalar: the micro-batch's loss, for "
+            f"`window_loss`. Received: loss={loss!r}, {problem}"
+        )
+    return ops.reshape(ops.cast(tensor, "float32"), ())

@@ -1,6 +1,7 @@
 """Keras callbacks for accumulating optimizers."""
 
 import os
+import warnings
 from typing import Any
 from typing import Optional
 from typing import Union
@@ -257,7 +258,11 @@ class AccumulationLogger(keras.callbacks.Callback):
             `"epoch"` (the default), the values are logged at the end of
             each epoch only; with `N`, also after every `N` training batches
             (micro-batches, also with `steps_per_execution`; `"batch"` is
-            `1`), so the progress bar shows them as it runs.
+            `1`), so the progress bar shows them as it runs. The logger
+            reads the optimizer between executions: with
+            `steps_per_execution` above `accum_iters` an execution applies
+            several updates and only its last is recorded (it warns when
+            training starts).
 
     Attributes:
         windows: dict of lists, one item per applied update seen by the
@@ -329,6 +334,7 @@ class AccumulationLogger(keras.callbacks.Callback):
             self.model, _accumulating(self.model, "AccumulationLogger")
         )
         count_updates_in_multi_optimizer(self.model.optimizer)
+        self._warn_of_unseen_updates()
         self._batches = 0
         self._epoch_batches = 0
         self._written = None
@@ -337,6 +343,29 @@ class AccumulationLogger(keras.callbacks.Callback):
             self._writer = _tensorboard.scalar_writer(
                 os.path.join(self.log_dir, "train")
             )
+
+    def _warn_of_unseen_updates(self) -> None:
+        """Warns when an execution can apply several updates: the logger
+        sees the optimizer between executions only, so it records the last
+        update of each."""
+        steps = int(getattr(self.model, "steps_per_execution", 1) or 1)
+        if self.update_freq == "epoch" or steps == 1:
+            return
+        accum_iters = self._optimizer().current_accum_iters
+        if steps <= accum_iters and isinstance(
+            self._optimizer().accum_iters, int
+        ):
+            return
+        warnings.warn(
+            f"AccumulationLogger(update_freq={self.update_freq!r}) sees the "
+            "optimizer between executions only: with "
+            f"steps_per_execution={steps} and accum_iters={accum_iters} an "
+            "execution can apply several updates, and only the last of each "
+            "is recorded in `windows`, the logs and TensorBoard. Compile "
+            "with steps_per_execution <= accum_iters to record every "
+            "update.",
+            stacklevel=2,
+        )
 
     def on_train_batch_end(
         self, batch: int, logs: Optional[dict[str, Any]] = None

@@ -14,7 +14,7 @@ import keras
 from keras.saving import register_keras_serializable
 
 from accum_optimizers import _keras_private
-from accum_optimizers._accumulation import ACCUMULATION_ARGS
+from accum_optimizers import _args
 from accum_optimizers._accumulation import GradientAccumulation
 
 _PACKAGE = "accum_optimizers"
@@ -32,9 +32,11 @@ def accumulating(
 
     The class is named `<Name>Accumulate`, registered as Keras-serializable
     (package `"accum_optimizers"`), and takes every argument of
-    `optimizer_class`, positionally in its order, plus `accum_iters` and
-    `accumulator_dtype` (keyword-only). Over `accum_iters` calls to `apply`
-    it adds up the gradients, then applies their mean once through
+    `optimizer_class`, positionally in its order, plus the keyword-only
+    accumulation arguments (`accum_iters`, `skip_nonfinite`,
+    `accumulator_dtype`, and the Keras 2 aliases `lr` and `decay`). Over
+    `accum_iters` calls to `apply` it adds up the gradients, then applies
+    their mean once through
     `optimizer_class`'s own update, so `accum_iters` micro-batches of size
     `b` train exactly like one batch of `accum_iters * b`. Calling it twice
     with one class returns the same class; an accumulating class is
@@ -118,10 +120,7 @@ def _signature(optimizer_class):
         inspect.signature(optimizer_class.__init__).parameters.values()
     )
     keyword = inspect.Parameter.KEYWORD_ONLY
-    extra = [
-        inspect.Parameter("accum_iters", keyword, default=1),
-        inspect.Parameter("accumulator_dtype", keyword, default=None),
-    ]
+    extra = _args.signature_parameters()
     var_keyword = [
         p for p in parameters if p.kind is inspect.Parameter.VAR_KEYWORD
     ]
@@ -129,6 +128,11 @@ def _signature(optimizer_class):
     positional = [p for p in others if p.kind is not keyword]
     keyword_only = [p for p in others if p.kind is keyword]
     return inspect.Signature(positional + keyword_only + extra + var_keyword)
+
+
+def _keyword_list():
+    names = [f"`{name}`" for name in _args.NAMES]
+    return ", ".join(names[:-1]) + f" and {names[-1]}"
 
 
 def _docstring(optimizer_class):
@@ -147,14 +151,14 @@ def _docstring(optimizer_class):
         "applied updates, so learning-rate schedules, EMA and bias "
         "corrections see the big batch's step numbers. It takes every "
         f"argument of `{parent}`, positionally in its order or by name, "
-        "plus the keyword-only `accum_iters` and `accumulator_dtype`.\n\n"
+        f"plus the keyword-only {_keyword_list()}.\n\n"
         "```python\n"
         f"model.compile(optimizer={name}Accumulate(accum_iters=4), ...)\n"
         "model.fit(x, y, batch_size=16)  # trains like batch_size=64\n"
         "```\n\n"
         "Args:\n"
         f"{parent_args}"
-        f"{ACCUMULATION_ARGS.format(parent=f'`{parent}`')}\n\n"
+        f"{_args.docstring(f'`{parent}`')}\n\n"
         f"`{parent}`'s documentation:\n\n"
         f"{parent_rest}\n"
     )

@@ -78,7 +78,8 @@ def weigh_micro_batches(model):
         with _keras_private.recorded_loss_reductions() as reductions:
             loss = compute_loss(x, y, y_pred, sample_weight, **kwargs)
         weight, checked, poisoned = _checked_normalizer(
-            _micro_batch_weight(reductions, y_pred)
+            _micro_batch_weight(reductions, y_pred),
+            skips=any(optimizer.skip_nonfinite for optimizer in optimizers),
         )
         if poisoned:
             # Where compiled code cannot raise, a refused weight is NaN:
@@ -88,7 +89,9 @@ def weigh_micro_batches(model):
         # Each accumulating optimizer (several under a `MultiOptimizer`)
         # weighs its own variables' gradients by the micro-batch's weight.
         for optimizer in optimizers:
-            optimizer._accum_hand_over(weight, checked=checked)
+            optimizer._accum_hand_over(
+                weight, checked=checked, may_be_invalid=poisoned
+            )
         return loss
 
     model.compute_loss = weighed_compute_loss
@@ -177,12 +180,15 @@ def _refuse_torch_compile(model):
         )
 
 
-def _checked_normalizer(weight):
+def _checked_normalizer(weight, skips=False):
     """`(weight, checked, poisoned)`: `weight`, refused when negative or not
     finite (a negative sum of sample weights under
     `mean_with_sample_weight`: a window's total weight could then be `0`
     or negative, and its mean meaningless). `0` is kept: a micro-batch
-    whose samples are all masked or weigh 0.
+    whose samples are all masked or weigh 0. With `skips` (an optimizer
+    with `skip_nonfinite=True`), a non-finite normalizer is the mark of a
+    non-finite micro-batch: it is poisoned, and the micro-batch skipped,
+    on every backend.
 
     Concrete values raise here; in a TensorFlow graph an assertion fails
     the train step before any state changes (`checked` returns the context
@@ -197,6 +203,8 @@ def _checked_normalizer(weight):
         "sample weights are not supported."
     )
     value = concrete_value(weight)
+    if value is not None and skips and not np.isfinite(value):
+        return ops.convert_to_tensor(float("nan")), None, True
     if value is not None:
         if not (np.isfinite(value) and value >= 0):
             raise ValueError(f"{message} Received: normalizer={value!r}")
@@ -206,12 +214,15 @@ def _checked_normalizer(weight):
 
         valid = tf.math.is_finite(weight) & (weight >= 0)
         if not _keras_private.in_xla_context():
+            allowed = valid | (skips & ~tf.math.is_finite(weight))
             check = tf.debugging.Assert(
-                valid, [f"{message} Received: normalizer=", weight]
+                allowed, [f"{message} Received: normalizer=", weight]
             )
             with tf.control_dependencies([check]):
                 weight = tf.identity(weight)
-            return weight, lambda: tf.control_dependencies([check]), False
+            if skips:
+                weight = tf.where(valid, weight, float("nan"))
+            return weight, lambda: tf.control_dependencies([check]), skips
     else:
         valid = ops.logical_and(
             ops.isfinite(weight), ops.greater_equal(weight, 0.0)

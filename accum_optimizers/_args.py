@@ -1,0 +1,142 @@
+"""The accumulation arguments, specified once.
+
+`ARGUMENTS` drives everything that lists them: the checks in
+`GradientAccumulation.__init__`, the signature of every accumulating class
+(`signature_parameters`), their docstrings (`docstring`) and `get_config`
+(`config_names`). An argument added here appears in all four.
+"""
+
+import inspect
+
+import numpy as np
+
+from accum_optimizers import schedules
+from accum_optimizers._validation import validate_accumulator_dtype
+from accum_optimizers._validation import validate_decay
+
+
+class Argument:
+    """One keyword-only accumulation argument.
+
+    Args:
+        name: the keyword.
+        default: its default value.
+        doc: its docstring entry (indented continuation lines); `{parent}`
+            names the parent optimizer.
+        check: maps the value passed to the value kept, raising on a bad
+            one.
+        in_config: whether `get_config` returns it (`lr` is folded into
+            `learning_rate` instead).
+    """
+
+    def __init__(self, name, default, doc, check, in_config=True):
+        self.name = name
+        self.default = default
+        self.doc = doc
+        self.check = check
+        self.in_config = in_config
+
+
+def _check_skip_nonfinite(value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(
+            "`skip_nonfinite` must be a bool. Received: "
+            f"skip_nonfinite={value!r}"
+        )
+    return bool(value)
+
+
+def _keep(value):
+    return value
+
+
+ARGUMENTS = (
+    Argument(
+        "accum_iters",
+        1,
+        """Integer >= 1, dict or `AccumSchedule`. Number of
+        micro-batches (`apply` calls) whose gradients are averaged into
+        one update. A dict `{{update: k}}` (first key `0`) or an
+        `AccumSchedule` makes it a function of applied updates (see
+        `accum_optimizers.schedules`). Defaults to `1`, which behaves
+        exactly like {parent}.""",
+        schedules.get,
+    ),
+    Argument(
+        "skip_nonfinite",
+        False,
+        """Boolean. Leave a micro-batch whose gradients are not
+        all finite (after a `LossScaleOptimizer` unscaled them) out of its
+        window: it adds nothing and counts in neither `micro_steps` nor
+        the window's weight, and the window closes after `accum_iters`
+        finite micro-batches. Under `tf.distribute`, `keras.distribution`
+        and `torch_distributed.sync_windows` every replica skips it when
+        any replica's gradients are not finite. `skipped_micro_batches`
+        counts them. Defaults to `False`.""",
+        _check_skip_nonfinite,
+    ),
+    Argument(
+        "accumulator_dtype",
+        None,
+        """Dtype of the gradient sums: `"float16"`,
+        `"bfloat16"`, `"float32"` or `"float64"`. Defaults to `None`:
+        `"float32"` for `float16`/`bfloat16` variables, the variable's own
+        dtype otherwise. float16 sums refuse weighted windows.""",
+        validate_accumulator_dtype,
+    ),
+    Argument(
+        "lr",
+        None,
+        """Deprecated Keras 2 alias of `learning_rate`; warns. Passing both is
+        an error.""",
+        _keep,
+        in_config=False,
+    ),
+    Argument(
+        "decay",
+        None,
+        """Deprecated Keras 2 time decay (`learning_rate /
+        (1 + decay * iterations)`, `iterations` counting applied updates);
+        warns. Defaults to `None`.""",
+        validate_decay,
+    ),
+)
+
+NAMES = tuple(argument.name for argument in ARGUMENTS)
+
+
+def checked(values):
+    """`{name: value}` of every accumulation argument, each checked, from
+    the keywords passed (`values`; absent ones take their default)."""
+    return {
+        argument.name: argument.check(
+            values.get(argument.name, argument.default)
+        )
+        for argument in ARGUMENTS
+    }
+
+
+def config_names():
+    """The arguments `get_config` returns."""
+    return [argument.name for argument in ARGUMENTS if argument.in_config]
+
+
+def signature_parameters():
+    """The accumulation arguments as keyword-only `inspect.Parameter`s."""
+    return [
+        inspect.Parameter(
+            argument.name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=argument.default,
+        )
+        for argument in ARGUMENTS
+    ]
+
+
+def docstring(parent):
+    """The `Args:` entries of the accumulation arguments, indented by four
+    spaces, `parent` naming the parent optimizer."""
+    return "\n".join(
+        f"    {argument.name}: {argument.doc.format(parent=parent)}"
+        for argument in ARGUMENTS
+    )
