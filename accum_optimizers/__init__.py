@@ -20,6 +20,7 @@ from accum_optimizers import _keras_private  # noqa: E402
 # Before anything else touches Keras: a clear error for an unsupported one.
 _keras_private.check_keras_version()
 
+from accum_optimizers import _wrappers  # noqa: E402
 from accum_optimizers import optimizers as _optimizers  # noqa: E402
 from accum_optimizers.callbacks import AccumulationLogger  # noqa: E402
 from accum_optimizers.callbacks import FlushAccumulation  # noqa: E402
@@ -43,6 +44,9 @@ from accum_optimizers.optimizers import SGDAccumulate  # noqa: E402
 from accum_optimizers.optimizers import accumulating  # noqa: E402
 from accum_optimizers.saving import load_training_state  # noqa: E402
 from accum_optimizers.weighting import weigh_micro_batches  # noqa: E402
+
+# `LossScaleOptimizer` and `MultiOptimizer` around accumulating optimizers.
+_wrappers.install()
 
 # One class per optimizer the installed Keras ships: those above, and
 # `ScheduleFreeAdamWAccumulate` (Keras >= 3.14) or any optimizer a newer Keras

@@ -18,14 +18,21 @@ from accum_optimizers._validation import LOW_PRECISION_DTYPES
 from accum_optimizers._validation import concrete_value
 
 
-def all_finite(grads):
+def all_finite(grads, sums_are_finite=None):
     """Whether every entry of every gradient (`None`s and the indices of
     `IndexedSlices` ignored) is finite: a Python `bool` where the
-    gradients are concrete, else a traced scalar bool."""
+    gradients are concrete, else a traced scalar bool.
+
+    Args:
+        grads: the gradients (or `None`s).
+        sums_are_finite: Optional function of the gradients' entries
+            returning whether each one's sum is finite, a backend's own
+            (see `_backend`). Defaults to one in `keras.ops`.
+    """
     values = [_wide(_entries(grad)) for grad in grads if grad is not None]
     if not values:
         return True
-    probably = _sums_are_finite(values)
+    probably = (sums_are_finite or _sums_are_finite)(values)
     known = concrete_value(probably)
     if known is not None:
         return bool(known) or bool(concrete_value(_exactly_finite(values)))
@@ -49,22 +56,7 @@ def masked(value, finite):
 
 
 def _sums_are_finite(values):
-    if backend.backend() == "torch":
-        return _torch_sums_are_finite(values)
     return ops.all(ops.isfinite(ops.stack([ops.sum(v) for v in values])))
-
-
-def _torch_sums_are_finite(values):
-    """`_sums_are_finite` in torch's own calls: a `keras.ops` call costs
-    more than the sum of a small gradient."""
-    import torch
-
-    with torch.no_grad():
-        sums = [
-            (v if torch.is_tensor(v) else ops.convert_to_tensor(v)).sum()
-            for v in values
-        ]
-        return torch.stack(sums).isfinite().all()
 
 
 def _exactly_finite(values):

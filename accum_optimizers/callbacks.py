@@ -14,9 +14,9 @@ from keras.saving import register_keras_serializable
 from accum_optimizers import _keras_private
 from accum_optimizers import _tensorboard
 from accum_optimizers import schedules
+from accum_optimizers._inner import accumulating_optimizers
+from accum_optimizers._inner import count_updates_in_multi_optimizer
 from accum_optimizers.layers import AccumBatchNormalization
-from accum_optimizers.weighting import accumulating_optimizers
-from accum_optimizers.weighting import count_updates_in_multi_optimizer
 
 
 def _accumulating(model, caller):

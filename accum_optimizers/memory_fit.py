@@ -34,6 +34,7 @@ from keras import ops
 
 from accum_optimizers import _keras_private
 from accum_optimizers import schedules
+from accum_optimizers._inner import accumulating_optimizers
 from accum_optimizers._memory import compiled_peak
 from accum_optimizers._memory import format_bytes
 from accum_optimizers._memory import free_memory
@@ -46,7 +47,6 @@ from accum_optimizers._micro_batches import arrays
 from accum_optimizers._micro_batches import head
 from accum_optimizers._micro_batches import sample_count
 from accum_optimizers.callbacks import FlushAccumulation
-from accum_optimizers.weighting import accumulating_optimizers
 from accum_optimizers.weighting import weigh_micro_batches
 
 

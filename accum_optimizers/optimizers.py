@@ -13,8 +13,8 @@ import inspect
 import keras
 from keras.saving import register_keras_serializable
 
-from accum_optimizers import _keras_private
 from accum_optimizers import _args
+from accum_optimizers import _keras_private
 from accum_optimizers._accumulation import GradientAccumulation
 
 _PACKAGE = "accum_optimizers"

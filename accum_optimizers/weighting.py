@@ -19,8 +19,10 @@ import keras
 import numpy as np
 from keras import ops
 
+from accum_optimizers import _inputs
 from accum_optimizers import _keras_private
-from accum_optimizers._accumulation import GradientAccumulation
+from accum_optimizers._inner import accumulating_optimizers
+from accum_optimizers._inner import count_updates_in_multi_optimizer
 from accum_optimizers._validation import concrete_value
 
 _DIVIDED_BY_COUNT = ("sum_over_batch_size", "mean")
@@ -89,8 +91,11 @@ def weigh_micro_batches(model):
         # Each accumulating optimizer (several under a `MultiOptimizer`)
         # weighs its own variables' gradients by the micro-batch's weight.
         for optimizer in optimizers:
-            optimizer._accum_hand_over(
-                weight, checked=checked, may_be_invalid=poisoned
+            _inputs.hand_over(
+                optimizer,
+                _inputs.Handoff(
+                    weight, checked=checked, may_be_invalid=poisoned
+                ),
             )
         return loss
 
@@ -100,70 +105,6 @@ def weigh_micro_batches(model):
     # A train function traced before would keep the unweighted loss.
     model.train_function = None
     return model
-
-
-def accumulating_optimizers(optimizer):
-    """The accumulating optimizers `optimizer` applies through.
-
-    `optimizer` itself, the one a `keras.optimizers.LossScaleOptimizer`
-    wraps (`compile` adds one under the `mixed_float16` policy), or those
-    of a `keras.optimizers.MultiOptimizer`, in its order. Optimizers with
-    `accum_iters=1` are included; ones that do not accumulate
-    (Keras' own) are not.
-
-    Args:
-        optimizer: a `keras.optimizers.Optimizer`, or `None`.
-
-    Returns:
-        A list of `GradientAccumulation` optimizers, possibly empty.
-    """
-    while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        optimizer = optimizer.inner_optimizer
-    if _keras_private.is_multi_optimizer(optimizer):
-        inner = optimizer.optimizers
-    else:
-        inner = [optimizer]
-    return [o for o in inner if isinstance(o, GradientAccumulation)]
-
-
-def count_updates_in_multi_optimizer(optimizer, sync=True):
-    """Makes a `MultiOptimizer` of accumulating optimizers count applied
-    updates in `iterations`, as its inner optimizers do.
-
-    Keras' `MultiOptimizer.apply` adds 1 to its `iterations` on every call,
-    a micro-batch. When every inner optimizer accumulates with the same
-    `accum_iters`, they update together, and `iterations` is set to their
-    count after each call (and now, for a `flush()` run since). Otherwise
-    the inner optimizers count differently, and `iterations` is left as
-    Keras counts it. Does nothing for other optimizers; idempotent.
-
-    Args:
-        optimizer: a `keras.optimizers.Optimizer`.
-        sync: Boolean. Also set `iterations` now (eagerly). Defaults to
-            `True`.
-    """
-    if not _keras_private.is_multi_optimizer(optimizer):
-        return
-    inner = optimizer.optimizers
-    accumulating = accumulating_optimizers(optimizer)
-    if not accumulating or len(accumulating) != len(inner):
-        return
-    configs = {repr(o.accum_iters) for o in accumulating}
-    if len(configs) != 1:
-        return
-    reference = accumulating[0]
-    if not optimizer.__dict__.get("_accum_counts_updates", False):
-        apply = optimizer.apply
-
-        def counting_apply(grads, trainable_variables=None):
-            apply(grads, trainable_variables)
-            if reference.built:
-                optimizer.iterations.assign(reference.iterations)
-
-        optimizer.apply = counting_apply
-        optimizer._accum_counts_updates = True
-    if sync and optimizer.built and reference.built:
-        optimizer.iterations.assign(reference.iterations)
 
 
 def _refuse_torch_compile(model):

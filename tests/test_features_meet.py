@@ -81,9 +81,7 @@ def test_accum_iters_changed_on_a_built_window_accumulates_exactly():
     parent = keras.optimizers.SGD(0.5)
     mean = keras.ops.convert_to_tensor(np.mean(gradients, axis=0))
     parent.apply([mean], [reference])
-    assert_all_close(
-        to_numpy(variable), to_numpy(reference), rtol=0, atol=1e-7
-    )
+    assert_all_close(to_numpy(variable), to_numpy(reference), rtol=0, atol=1e-7)
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZER_CLASSES))

@@ -15,7 +15,7 @@ from keras import ops
 
 from accum_optimizers import AdamAccumulate
 from accum_optimizers import SGDAccumulate
-from accum_optimizers.weighting import accumulating_optimizers
+from accum_optimizers._inner import accumulating_optimizers
 
 K, B, WINDOWS = 4, 4, 3
 

@@ -13,6 +13,10 @@ import contextlib
 
 from keras import ops
 
+from accum_optimizers import _inputs
+from accum_optimizers._finite import all_finite
+from accum_optimizers._window.spec import resetting_variables
+
 
 class Accumulation:
     """Default accumulation hooks (eager branching, `ops` arithmetic)."""
@@ -150,12 +154,24 @@ class Accumulation:
         return finite
 
     def _accum_end_window(self):
-        """Starts a new window: the counter, the total weight and the loss
-        sum are zeroed; the sums are left for the next window's first
+        """Starts a new window: the variables the spec declares `resets`
+        are zeroed; the sums are left for the next window's first
         micro-step to overwrite."""
-        for counter in (
-            self._accum_micro_steps,
-            self._accum_total_weight,
-            self._accum_loss_sum,
-        ):
+        for counter in resetting_variables(self):
             counter.assign(ops.zeros(counter.shape, counter.dtype))
+
+    def _accum_note_loss(self, loss):
+        """Keeps the loss of this thread's micro-batch for its `apply`
+        (`fit` computes the loss, then applies its gradients)."""
+        if self._accumulates:
+            _inputs.put_loss(self, loss)
+
+    def _accum_loss_outside_apply(self):
+        """The micro-batch's loss where it reaches the optimizer neither as
+        an argument nor through `_accum_note_loss`, or `None`."""
+        return None
+
+    def _accum_all_finite(self, grads):
+        """Whether every entry of `grads` is finite (`skip_nonfinite`): a
+        bool, or a traced scalar bool."""
+        return all_finite(grads)

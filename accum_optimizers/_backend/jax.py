@@ -21,6 +21,14 @@ from accum_optimizers._validation import MIN_WEIGHT
 
 
 class JaxAccumulation(Accumulation):
+    def _accum_note_loss(self, loss):
+        # `fit` differentiates the function that computes the loss: its
+        # value exists only outside it, in the train step.
+        return
+
+    def _accum_loss_outside_apply(self):
+        return _keras_private.jax_train_step_loss()
+
     def _accum_check_traced_weight(self, weight):
         # Compiled code cannot raise without a host callback, which costs
         # every micro-step even when it never fires: an invalid weight makes

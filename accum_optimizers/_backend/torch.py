@@ -6,6 +6,8 @@ import torch
 
 from accum_optimizers import _keras_private
 from accum_optimizers._backend.base import Accumulation
+from accum_optimizers._finite import all_finite
+from accum_optimizers._window.spec import resetting_variables
 
 
 class TorchAccumulation(Accumulation):
@@ -76,14 +78,18 @@ class TorchAccumulation(Accumulation):
 
     @torch.no_grad()
     def _accum_end_window(self):
-        variables = self._accum_sums + [
-            self._accum_micro_steps,
-            self._accum_total_weight,
-            self._accum_loss_sum,
-        ]
+        variables = self._accum_sums + resetting_variables(self)
         _keras_private.torch_foreach_zero_(
             [variable.value for variable in variables]
         )
+
+    def _accum_note_loss(self, loss):
+        super()._accum_note_loss(loss.detach())
+
+    def _accum_all_finite(self, grads):
+        # torch's own sums: a `keras.ops` call costs more than the sum of a
+        # small gradient.
+        return all_finite(grads, sums_are_finite=_sums_are_finite)
 
 
 def _buckets(tensors, bucket_bytes):
@@ -103,3 +109,10 @@ def _buckets(tensors, bucket_bytes):
         size += nbytes
     if bucket:
         yield bucket
+
+
+@torch.no_grad()
+def _sums_are_finite(values):
+    """Whether the sum of each of `values` is finite (a 0-d bool tensor)."""
+    sums = [torch.as_tensor(value).sum() for value in values]
+    return torch.stack(sums).isfinite().all()

@@ -1,109 +1,72 @@
-"""The window's state, declared once, and what a saved state means.
-
-An accumulating optimizer's variables are, in order: the parent optimizer's
-variables before `build` (`iterations`, and `learning_rate` when it is a
-float), those the parent's `build` adds (moments, EMA averages), then, with
-`accum_iters > 1`, the variables of `WINDOW_STATE` and one sum per
-trainable variable. `build` creates them from this declaration; saving
-writes every variable as it is; restoring (`plan_restore`) reads them back
-by position.
-"""
+"""Saving and restoring the window: what a saved state means (this
+version's layout, the parent's state alone, an untrained state, 0.1.0's
+window), its counters checked, and the optimizer's `load_own_variables`."""
 
 import numpy as np
+from keras import ops
+
+from accum_optimizers import schedules
+from accum_optimizers._window.spec import WINDOW_STATE
 
 
-class WindowVariable:
-    """One variable of the window's state, before the per-variable sums.
+class WindowRestore:
+    """`load_own_variables` of an accumulating optimizer (a mixin of
+    `GradientAccumulation`): a saved state is checked against this
+    optimizer's layout, then restored, or refused naming why."""
 
-    Args:
-        name: the attribute (`_accum_<name>`) and variable (`accum_<name>`)
-            name.
-        dtype: the variable's dtype.
-        per_variable: whether it holds one entry per trainable variable
-            (shape `(len(variables),)`) instead of a scalar.
-        aggregation: its `tf.distribute` aggregation: `"only_first_replica"`
-            for values every replica holds alike, `"mean"` for a value each
-            replica accumulates on its own (read outside a replica as their
-            mean, the share that goes with one replica's sums).
-        saved_by_0_1_0: whether 0.1.0 saved it.
-        lasting: whether it outlives the window (a count since creation,
-            the last window's metrics), so that it is restored from a
-            state saved between windows too.
-    """
+    def load_own_variables(self, store):
+        values = [store[str(i)] for i in range(len(store.keys()))]
+        values = [np.array(value) for value in values]
+        if not self.built:
+            if len(values) == len(self.variables) and not values[0]:
+                return super().load_own_variables(store)  # untrained
+            # Saved after training, loaded before `build`: keep the values
+            # and check and restore them when the optimizer builds.
+            self._accum_pending_restore = tuple(values)
+            return
+        self._accum_restore(values)
 
-    def __init__(
-        self,
-        name,
-        dtype,
-        per_variable=False,
-        aggregation="only_first_replica",
-        saved_by_0_1_0=False,
-        lasting=False,
-    ):
-        self.name = name
-        self.dtype = dtype
-        self.per_variable = per_variable
-        self.aggregation = aggregation
-        self.saved_by_0_1_0 = saved_by_0_1_0
-        self.lasting = lasting
+    def _accum_restore(self, values):
+        accum_iters = self.accum_iters
+        if isinstance(accum_iters, schedules.AccumSchedule):
+            accum_iters = type(accum_iters).__name__
+        describe = (
+            f"'{self.name}' ({type(self).__name__}, accum_iters={accum_iters})"
+        )
+        parent, window = plan_restore(
+            values, self._accum_layout, self._accum_saved_window_size, describe
+        )
+        empty = is_empty(window)
+        restored = list(parent)
+        if self._accumulates and not empty:
+            restored += window
+        variables = self.variables
+        for index, value in enumerate(restored):
+            if tuple(np.shape(value)) != tuple(variables[index].shape):
+                raise ValueError(
+                    f"Cannot restore the state of optimizer {describe}: "
+                    f"saved variable {index} has shape {np.shape(value)}, "
+                    f"'{variables[index].path}' has shape "
+                    f"{tuple(variables[index].shape)}."
+                )
+        for variable, value in zip(variables, restored):
+            variable.assign(value)
+        if self._accumulates and empty:
+            self._accum_end_window()
+            for name, value in lasting_values(parent, window).items():
+                getattr(self, f"_accum_{name}").assign(value)
 
-    def shape(self, variable_count):
-        return (variable_count,) if self.per_variable else ()
-
-
-WINDOW_STATE = (
-    # Micro-batches in the pending window; 0 between windows.
-    WindowVariable("micro_steps", "int32", saved_by_0_1_0=True),
-    # Micro-batches accumulated since creation.
-    WindowVariable("micro_batches", "int32", saved_by_0_1_0=True, lasting=True),
-    # Which variables received gradient in the window (`flush` updates
-    # those alone).
-    WindowVariable("seen", "int32", per_variable=True),
-    # The sum of the window's micro-batch weights (1 each without `weight`):
-    # the window's mean gradient is its sums divided by this.
-    WindowVariable("total_weight", "float32", aggregation="mean"),
-    # Micro-batches left out of their window for non-finite gradients
-    # (`skip_nonfinite=True`), since creation.
-    WindowVariable("skipped", "int32", lasting=True),
-    # The total weight of the applied windows (samples, tokens, or
-    # micro-batches of weight 1), as a float32 pair whose sum is exact well
-    # past float32's 2**24 (see `_accum_count_samples`).
-    WindowVariable("samples_seen", "float32", lasting=True),
-    WindowVariable("samples_seen_error", "float32", lasting=True),
-    # The window's sum of `weight * loss` (`apply(..., loss=)`, or the loss
-    # `fit` computes), summed over replicas like the gradients.
-    WindowVariable("loss_sum", "float32", aggregation="sum"),
-    # The last applied window's loss (`loss_sum / total_weight`) and the
-    # norm of its mean gradient: the big batch's at the window's weights.
-    WindowVariable("window_loss", "float32", lasting=True),
-    WindowVariable("window_grad_norm", "float32", lasting=True),
-)
-
-
-class Layout:
-    """How many variables each part of an optimizer's state holds.
-
-    Args:
-        unbuilt: variables before `build` (`iterations`, `learning_rate`).
-        parent: variables after the parent optimizer's `build`.
-        total: all variables, the window's state included.
-    """
-
-    def __init__(self, unbuilt, parent, total):
-        self.unbuilt = unbuilt
-        self.parent = parent
-        self.total = total
-
-    @property
-    def has_window(self):
-        return self.total > self.parent
-
-    @property
-    def sums(self):
-        """The number of per-variable sums (0 without a window)."""
-        if not self.has_window:
-            return 0
-        return self.total - self.parent - len(WINDOW_STATE)
+    def _accum_saved_window_size(self, parent, window):
+        """The window size the next update of a planned saved state takes
+        (see `plan_restore`)."""
+        schedule = self._accum_schedule
+        if schedule is None:
+            return self.accum_iters
+        if schedules.keyed_on_samples(schedule):
+            key = np.float32(saved_samples_seen(parent, window))
+        else:
+            key = int(np.asarray(parent[0]))
+        return int(ops.convert_to_numpy(self._accum_window_size(key)))
 
 
 def plan_restore(values, layout, window_size_at, describe):
@@ -132,45 +95,49 @@ def plan_restore(values, layout, window_size_at, describe):
             schedule's value at the saved updates or samples seen).
         describe: a string naming the optimizer, for error messages.
     """
+    parent, window = _split(values, layout, describe)
+    _check_counters(parent, window, layout, window_size_at, describe)
+    return parent, window
+
+
+def _split(values, layout, describe):
+    """`(parent, window)` of saved `values` laid out as one of the states
+    `plan_restore` accepts, or raises."""
     count = len(values)
-    window = None
     if count == layout.parent:
-        parent = values
-    elif count == layout.total:
-        parent, window = values[: layout.parent], values[layout.parent :]
-    elif (
+        return values, None
+    if count == layout.total:
+        return values[: layout.parent], values[layout.parent :]
+    if (
         layout.has_window
         and count == layout.total - _absent_from_0_1_0()
         and _is_window_of(values, layout.parent)
         and np.shape(values[layout.parent + 1]) == ()
     ):
-        parent = values[: layout.parent]
         window = _window_of_0_1_0(values[layout.parent :], layout.sums)
-    elif count == layout.unbuilt:
-        parent = values
-        if int(np.asarray(parent[0])) != 0:
+        return values[: layout.parent], window
+    if count == layout.unbuilt:
+        if int(np.asarray(values[0])) != 0:
             raise ValueError(
                 f"Cannot restore the state of optimizer {describe}: the "
                 f"checkpoint holds {count} optimizer variables with "
-                f"iterations={int(np.asarray(parent[0]))}, the trained state "
+                f"iterations={int(np.asarray(values[0]))}, the trained state "
                 "of an optimizer without the moments this one keeps "
                 f"({layout.parent} variables once built). It was saved by "
                 "another optimizer or configuration; rebuild the optimizer "
                 "with the saved configuration."
             )
-    elif not layout.has_window and _is_window_of(values, layout.parent):
-        parent, window = values[: layout.parent], values[layout.parent :]
-    else:
-        raise ValueError(
-            f"Cannot restore the state of optimizer {describe}: the "
-            f"checkpoint holds {count} optimizer variables, this optimizer "
-            f"has {layout.total}. The checkpoint was saved with a different "
-            "optimizer or configuration (amsgrad, momentum, centered, "
-            "use_ema, or a learning-rate schedule instead of a float); "
-            "rebuild the optimizer with the saved configuration."
-        )
-    _check_counters(parent, window, layout, window_size_at, describe)
-    return parent, window
+        return values, None
+    if not layout.has_window and _is_window_of(values, layout.parent):
+        return values[: layout.parent], values[layout.parent :]
+    raise ValueError(
+        f"Cannot restore the state of optimizer {describe}: the "
+        f"checkpoint holds {count} optimizer variables, this optimizer "
+        f"has {layout.total}. The checkpoint was saved with a different "
+        "optimizer or configuration (amsgrad, momentum, centered, "
+        "use_ema, or a learning-rate schedule instead of a float); "
+        "rebuild the optimizer with the saved configuration."
+    )
 
 
 def is_empty(window):

@@ -1,0 +1,73 @@
+"""The accumulating optimizers a model's optimizer applies through: itself,
+the one a `LossScaleOptimizer` wraps, or those of a `MultiOptimizer`; and
+a `MultiOptimizer`'s update count. Used by the callbacks, the planner and
+`weigh_micro_batches`."""
+
+import keras
+
+from accum_optimizers import _keras_private
+from accum_optimizers._accumulation import GradientAccumulation
+
+
+def accumulating_optimizers(optimizer):
+    """The accumulating optimizers `optimizer` applies through.
+
+    `optimizer` itself, the one a `keras.optimizers.LossScaleOptimizer`
+    wraps (`compile` adds one under the `mixed_float16` policy), or those
+    of a `keras.optimizers.MultiOptimizer`, in its order. Optimizers with
+    `accum_iters=1` are included; ones that do not accumulate
+    (Keras' own) are not.
+
+    Args:
+        optimizer: a `keras.optimizers.Optimizer`, or `None`.
+
+    Returns:
+        A list of `GradientAccumulation` optimizers, possibly empty.
+    """
+    while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    if _keras_private.is_multi_optimizer(optimizer):
+        inner = optimizer.optimizers
+    else:
+        inner = [optimizer]
+    return [o for o in inner if isinstance(o, GradientAccumulation)]
+
+
+def count_updates_in_multi_optimizer(optimizer, sync=True):
+    """Makes a `MultiOptimizer` of accumulating optimizers count applied
+    updates in `iterations`, as its inner optimizers do.
+
+    Keras' `MultiOptimizer.apply` adds 1 to its `iterations` on every call,
+    a micro-batch. When every inner optimizer accumulates with the same
+    `accum_iters`, they update together, and `iterations` is set to their
+    count after each call (and now, for a `flush()` run since). Otherwise
+    the inner optimizers count differently, and `iterations` is left as
+    Keras counts it. Does nothing for other optimizers; idempotent.
+
+    Args:
+        optimizer: a `keras.optimizers.Optimizer`.
+        sync: Boolean. Also set `iterations` now (eagerly). Defaults to
+            `True`.
+    """
+    if not _keras_private.is_multi_optimizer(optimizer):
+        return
+    inner = optimizer.optimizers
+    accumulating = accumulating_optimizers(optimizer)
+    if not accumulating or len(accumulating) != len(inner):
+        return
+    configs = {repr(o.accum_iters) for o in accumulating}
+    if len(configs) != 1:
+        return
+    reference = accumulating[0]
+    if not optimizer.__dict__.get("_accum_counts_updates", False):
+        apply = optimizer.apply
+
+        def counting_apply(grads, trainable_variables=None):
+            apply(grads, trainable_variables)
+            if reference.built:
+                optimizer.iterations.assign(reference.iterations)
+
+        optimizer.apply = counting_apply
+        optimizer._accum_counts_updates = True
+    if sync and optimizer.built and reference.built:
+        optimizer.iterations.assign(reference.iterations)

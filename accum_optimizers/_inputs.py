@@ -1,0 +1,110 @@
+"""Values an accumulating optimizer's `apply` receives beside its arguments.
+
+Keras' trainers and wrappers call `optimizer.apply(grads)` and nothing
+more; what a window also needs is known earlier, elsewhere in the same
+thread:
+
+- the micro-batch's weight (`weigh_micro_batches`, while the loss is
+  computed; `LossScaleOptimizer.apply(weight=)` and `stateless_apply`);
+- its loss (`scale_loss`, on every backend but JAX, whose loss is found in
+  the train step);
+- whether its gradients are finite, where a wrapper checked all of them
+  (`MultiOptimizer`, so that its inner optimizers skip together).
+
+Each is put here for one optimizer in the current thread (replicas of
+`tf.distribute` run in threads of their own) and taken, all at once, by
+that optimizer's next `apply`. A wrapper that calls `apply` discards what
+is left when the call raises or skips, so nothing carries over to the next
+micro-batch. This is the only module that keeps them.
+"""
+
+import threading
+
+_local = threading.local()
+
+
+class Handoff:
+    """The weight of an optimizer's next `apply`.
+
+    Args:
+        weight: the micro-batch's weight (a number or a scalar tensor).
+        loss_scaled: whether `scale_loss` multiplied the loss by it, so that
+            the gradients arrive weighed.
+        check: whether to refuse a weight that is not finite and `> 0` (a
+            user's `weight`; `fit`'s normalizers may be `0`).
+        checked: `None`, or a function returning the context in which the
+            call's state changes run: that of the caller's own check of the
+            weight (`fit`'s normalizers, checked in a TensorFlow graph).
+        may_be_invalid: whether the weight is NaN where the caller could
+            not refuse it (compiled code that cannot raise): the micro-batch
+            is then left out of its window.
+    """
+
+    def __init__(
+        self,
+        weight,
+        loss_scaled=False,
+        check=False,
+        checked=None,
+        may_be_invalid=False,
+    ):
+        self.weight = weight
+        self.loss_scaled = loss_scaled
+        self.check = check
+        self.checked = checked
+        self.may_be_invalid = may_be_invalid
+
+
+class Pending:
+    """What an optimizer's next `apply` takes: `handoff` (a `Handoff` or
+    `None`), `loss` and `finite` (`None` where none was put)."""
+
+    def __init__(self, handoff=None, loss=None, finite=None):
+        self.handoff = handoff
+        self.loss = loss
+        self.finite = finite
+
+
+def _pending():
+    """This thread's `{id(optimizer): Pending}`."""
+    pending = getattr(_local, "pending", None)
+    if pending is None:
+        pending = _local.pending = {}
+    return pending
+
+
+def _entry(optimizer):
+    return _pending().setdefault(id(optimizer), Pending())
+
+
+def hand_over(optimizer, handoff):
+    """Sets the `Handoff` of `optimizer`'s next `apply` in this thread."""
+    _entry(optimizer).handoff = handoff
+
+
+def put_loss(optimizer, loss):
+    """Sets the loss of `optimizer`'s next `apply` in this thread."""
+    _entry(optimizer).loss = loss
+
+
+def put_finite(optimizer, finite):
+    """Sets whether the gradients of `optimizer`'s next `apply` are finite
+    (a wrapper's check of every gradient)."""
+    _entry(optimizer).finite = finite
+
+
+def handoff_of(optimizer):
+    """The `Handoff` set for `optimizer`'s next `apply`, left in place."""
+    entry = _pending().get(id(optimizer))
+    return None if entry is None else entry.handoff
+
+
+def take(optimizer):
+    """What was put for `optimizer`'s next `apply`, removed: a `Pending`."""
+    return _pending().pop(id(optimizer), None) or Pending()
+
+
+def discard(optimizer):
+    """Drops what was put for `optimizer` and not taken (its `apply`
+    raised, or a wrapper skipped it)."""
+    _pending().pop(id(optimizer), None)

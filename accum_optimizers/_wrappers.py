@@ -1,0 +1,162 @@
+"""Keras' optimizer wrappers around accumulating optimizers.
+
+`install()` (run once, by the package's import) patches:
+
+`keras.optimizers.LossScaleOptimizer` (which `compile` adds under the
+`mixed_float16` policy):
+
+- `apply` and `stateless_apply` take `weight=` and `loss=` around an
+  accumulating optimizer and hand them to its next `apply` (`_inputs`);
+- `scale_loss` passes `fit`'s loss on to it (`window_loss`);
+- a weights-only resume keeps the saved loss scale: `model.load_weights`
+  finds the wrapper unbuilt and Keras skips its state (the dynamic loss
+  scale, its step counter) with a warning only, while the inner optimizer
+  restores its own when built, so training would resume with the initial
+  scale; the saved state is kept instead and restored when it builds.
+
+`keras.optimizers.MultiOptimizer` (where the installed Keras has one):
+
+- `scale_loss` passes `fit`'s loss on to the inner accumulating optimizers;
+- `apply` checks every gradient for finiteness once and hands the result to
+  the inner optimizers with `skip_nonfinite=True`, so that they skip the
+  same micro-batches: each checking its own variables only would let one
+  skip a micro-batch another adds, and their windows drift apart.
+
+Any other optimizer behaves as Keras wrote it. The patches know the
+accumulating optimizers by their class's `_accum_parent` and talk to them
+through `_inputs`, not through their class.
+"""
+
+import keras
+import numpy as np
+
+from accum_optimizers import _inputs
+
+
+def _accumulates(optimizer):
+    """Whether `optimizer` is of an accumulating class (any `accum_iters`)."""
+    return getattr(type(optimizer), "_accum_parent", None) is not None
+
+
+def install():
+    """Patches `LossScaleOptimizer` and `MultiOptimizer` (once)."""
+    _install_loss_scale()
+    _install_multi_optimizer()
+
+
+def _install_loss_scale():
+    cls = keras.optimizers.LossScaleOptimizer
+    if getattr(cls, "_accum_installed", False):
+        return
+    load_own_variables, build = cls.load_own_variables, cls.build
+    apply, stateless_apply = cls.apply, cls.stateless_apply
+    scale_loss = cls.scale_loss
+
+    def weighing(method):
+        def weighed(self, *args, weight=None, loss=None, **kwargs):
+            if weight is None and loss is None:
+                return method(self, *args, **kwargs)
+            inner = self.inner_optimizer
+            if not _accumulates(inner):
+                raise TypeError(
+                    f"LossScaleOptimizer.{method.__name__}() takes `weight` "
+                    "and `loss` only around an accumulating optimizer. "
+                    f"Received: inner_optimizer={inner!r}"
+                )
+            if weight is not None:
+                _inputs.hand_over(inner, _inputs.Handoff(weight, check=True))
+            if loss is not None:
+                _inputs.put_loss(inner, loss)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                # Left over when the step was skipped (gradients not
+                # finite) or raised before the inner optimizer's `apply`.
+                _inputs.discard(inner)
+
+        weighed.__name__ = method.__name__
+        weighed.__doc__ = method.__doc__
+        return weighed
+
+    def deferring_load_own_variables(self, store):
+        if self.built or not _accumulates(self.inner_optimizer):
+            return load_own_variables(self, store)
+        values = [np.array(store[str(i)]) for i in range(len(store.keys()))]
+        self._accum_pending_scale_state = tuple(values)
+
+    def restoring_build(self, var_list):
+        pending = self.__dict__.pop("_accum_pending_scale_state", None)
+        # The inner optimizer's own saved state (its part of `pending`),
+        # kept for its build when it was saved trained.
+        inner = self.inner_optimizer.__dict__.get("_accum_pending_restore")
+        build(self, var_list)
+        if pending is None or inner is None:
+            return  # Saved untrained: a fresh loss scale is the saved one.
+        inner_ids = {id(v) for v in self.inner_optimizer.variables}
+        own = [v for v in self.variables if id(v) not in inner_ids]
+        saved = pending[: len(pending) - len(inner)]
+        if len(saved) != len(own) or any(
+            np.shape(value) != tuple(variable.shape)
+            for value, variable in zip(saved, own)
+        ):
+            raise ValueError(
+                f"Cannot restore the state of optimizer '{self.name}' "
+                "(LossScaleOptimizer): the checkpoint holds "
+                f"{len(saved)} variables of its own (loss scale and step "
+                f"counter), this one has {len(own)}."
+            )
+        # TensorFlow builds it while tracing the first train step: assign
+        # once, now, not in the traced step.
+        with self.inner_optimizer._accum_outside_compiled_code():
+            for variable, value in zip(own, saved):
+                variable.assign(value)
+
+    def noting_scale_loss(self, loss):
+        # `fit` hands the loss to the optimizer it compiled with: the
+        # inner optimizer's `window_loss` needs it too.
+        if _accumulates(self.inner_optimizer):
+            self.inner_optimizer._accum_note_loss(loss)
+        return scale_loss(self, loss)
+
+    cls.apply = weighing(apply)
+    cls.scale_loss = noting_scale_loss
+    cls.stateless_apply = weighing(stateless_apply)
+    cls.load_own_variables = deferring_load_own_variables
+    cls.build = restoring_build
+    cls._accum_installed = True
+
+
+def _install_multi_optimizer():
+    cls = getattr(keras.optimizers, "MultiOptimizer", None)
+    if cls is None or getattr(cls, "_accum_installed", False):
+        return
+    scale_loss, apply = cls.scale_loss, cls.apply
+
+    def accumulating(multi_optimizer):
+        return [
+            optimizer
+            for optimizer in multi_optimizer.optimizers
+            if _accumulates(optimizer) and optimizer._accumulates
+        ]
+
+    def noting_scale_loss(self, loss):
+        for optimizer in accumulating(self):
+            optimizer._accum_note_loss(loss)
+        return scale_loss(self, loss)
+
+    def agreeing_apply(self, grads, trainable_variables=None):
+        skipping = [o for o in accumulating(self) if o.skip_nonfinite]
+        if skipping and len(grads):
+            finite = skipping[0]._accum_all_finite(grads)
+            for optimizer in skipping:
+                _inputs.put_finite(optimizer, finite)
+        try:
+            return apply(self, grads, trainable_variables)
+        finally:
+            for optimizer in skipping:
+                _inputs.discard(optimizer)
+
+    agreeing_apply.__doc__ = apply.__doc__
+    cls.scale_loss = noting_scale_loss
+    cls.apply = agreeing_apply
+    cls._accum_installed = True
