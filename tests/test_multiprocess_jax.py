@@ -30,7 +30,6 @@ from helpers import small_model
 from jax_processes import run_jax_processes
 from multiprocess_jax_worker import DEVICES_PER_PROCESS
 from multiprocess_jax_worker import GLOBAL_MICRO
-from multiprocess_jax_worker import K
 from multiprocess_jax_worker import LEARNING_RATE
 from multiprocess_jax_worker import MID_WINDOW_AT
 from multiprocess_jax_worker import NO_COLLECTIVES_EXIT
@@ -38,6 +37,7 @@ from multiprocess_jax_worker import POISONED
 from multiprocess_jax_worker import PROCESSES
 from multiprocess_jax_worker import SEED
 from multiprocess_jax_worker import WINDOWS
+from multiprocess_jax_worker import K
 from multiprocess_jax_worker import global_data
 from multiprocess_jax_worker import loss_of
 
