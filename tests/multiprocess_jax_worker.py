@@ -34,7 +34,7 @@ from pathlib import Path
 import jax
 
 PROCESSES = 2
-DEVICES_PER_PROCESS = 1  # the test sets XLA_FLAGS to match
+DEVICES_PER_PROCESS = 2  # the test sets XLA_FLAGS to match
 K = 3
 GLOBAL_MICRO = 4
 SHARD = GLOBAL_MICRO // PROCESSES
@@ -47,17 +47,34 @@ POISONED_PROCESS = 1
 NO_COLLECTIVES_EXIT = 77
 
 
+def _has_gloo_factory():
+    """Whether jaxlib has the function JAX makes gloo collectives with
+    (`jax._src.xla_bridge` calls it; its module moved between releases)."""
+    from jax._src.lib import xla_client
+
+    modules = [getattr(xla_client, "_xla", None)]
+    try:
+        from jax._src.lib import _jax
+
+        modules.append(_jax)
+    except ImportError:
+        pass
+    return any(hasattr(m, "make_gloo_tcp_collectives") for m in modules)
+
+
 def enable_cpu_collectives():
     """Selects gloo for JAX's CPU collectives; exits with
-    `NO_COLLECTIVES_EXIT`, saying why, where this jaxlib has none."""
+    `NO_COLLECTIVES_EXIT`, saying why, where this jax or jaxlib has none
+    (no such option, or no gloo in jaxlib)."""
     try:
-        from jax._src.lib import xla_client
-
-        if not hasattr(xla_client._xla, "make_gloo_tcp_collectives"):
-            raise RuntimeError("jaxlib has no make_gloo_tcp_collectives")
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    except (AttributeError, ImportError, RuntimeError, ValueError) as error:
-        print(f"no gloo CPU collectives: {error}", file=sys.stderr)
+        if not _has_gloo_factory():
+            raise RuntimeError("jaxlib has no make_gloo_tcp_collectives")
+    except (AttributeError, RuntimeError, ValueError) as error:
+        print(
+            f"no gloo CPU collectives in jax {jax.__version__}: {error}",
+            file=sys.stderr,
+        )
         sys.exit(NO_COLLECTIVES_EXIT)
 
 

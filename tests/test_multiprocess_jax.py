@@ -44,6 +44,7 @@ from multiprocess_jax_worker import loss_of
 pytestmark = pytest.mark.backends("jax")
 
 RUNS = ("plain", "skip", "weighted")
+DEVICES = PROCESSES * DEVICES_PER_PROCESS
 # Both sides add the same float32 numbers in another order (the big batch
 # at once against per-process shards all-reduced), which Adam magnifies up
 # to ~1e-4 relative in a small component (helpers.assert_same_state).
@@ -102,7 +103,7 @@ def test_each_run_spans_every_process_and_closes_every_window(launched):
     for process_id, record in enumerate(records):
         for run in RUNS:
             where = f"process {process_id}, {run}"
-            assert record[run]["device_count"] == PROCESSES, where
+            assert record[run]["device_count"] == DEVICES, where
             assert record[run]["iterations"] == WINDOWS, where
             assert record[run]["micro_steps"] == 0, where
 
