@@ -199,7 +199,10 @@ def worker(args):
 # -- The command -------------------------------------------------------------
 
 
-def run_worker(backend, run, args, folder):
+def run_worker(backend, run, args, folder, timeout=None):
+    """Runs one worker (`run`: "ours" or "parent") for `backend`, killed
+    after `timeout` seconds (`subprocess.TimeoutExpired`); returns its
+    result and final weights, or `({"error": ...}, None)`."""
     out = str(Path(folder) / f"{backend}-{run}")
     flags = [
         f"--{name.replace('_', '-')}={getattr(args, name)}"
@@ -229,6 +232,7 @@ def run_worker(backend, run, args, folder):
         env=env,
         capture_output=True,
         text=True,
+        timeout=timeout,
     )
     if completed.returncode:
         return {"error": completed.stderr[-2000:]}, None
@@ -240,28 +244,49 @@ def run_worker(backend, run, args, folder):
     ]
 
 
+def check_backend(backend, args, timeout=None):
+    """`fit_to_memory` (capped) and the parent (uncapped) on `backend`, each
+    in its own process; returns the row `report` prints.
+
+    Args:
+        backend: a Keras backend name.
+        args: the options, as `parse` returns them.
+        timeout: seconds both processes together may take, or `None`; past
+            it, `subprocess.TimeoutExpired`.
+    """
+    import numpy as np
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+
+    def left():
+        return None if deadline is None else max(1, deadline - time.monotonic())
+
+    with tempfile.TemporaryDirectory() as folder:
+        ours, our_weights = run_worker(backend, "ours", args, folder, left())
+        parent, parent_weights = run_worker(
+            backend, "parent", args, folder, left()
+        )
+    row = {"backend": backend, "ours": ours, "parent": parent}
+    if our_weights is not None and parent_weights is not None:
+        row["max_abs_difference"] = max(
+            float(np.abs(a - b).max())
+            for a, b in zip(our_weights, parent_weights)
+        )
+        row["largest_weight"] = max(
+            float(np.abs(b).max()) for b in parent_weights
+        )
+    return row
+
+
 def main(argv=None):
     args = parse(argv)
     if args.worker:
         return worker(args)
-    import numpy as np
-
     rows = []
-    with tempfile.TemporaryDirectory() as folder:
-        for backend in args.backends:
-            ours, our_weights = run_worker(backend, "ours", args, folder)
-            parent, parent_weights = run_worker(backend, "parent", args, folder)
-            row = {"backend": backend, "ours": ours, "parent": parent}
-            if our_weights is not None and parent_weights is not None:
-                row["max_abs_difference"] = max(
-                    float(np.abs(a - b).max())
-                    for a, b in zip(our_weights, parent_weights)
-                )
-                row["largest_weight"] = max(
-                    float(np.abs(b).max()) for b in parent_weights
-                )
-            rows.append(row)
-            print(report(row), flush=True)
+    for backend in args.backends:
+        row = check_backend(backend, args)
+        rows.append(row)
+        print(report(row), flush=True)
     return rows
 
 

@@ -437,11 +437,19 @@ def worker(args):
 # -- The report --------------------------------------------------------------
 
 
-def run_mode(mode, argv):
+def run_mode(mode, argv, timeout=None):
+    """Runs the worker of `mode` with the options `argv`, killed after
+    `timeout` seconds (`subprocess.TimeoutExpired`); returns its records,
+    and one error record if it failed."""
     env = dict(os.environ, KERAS_BACKEND=MODES[mode], TF_CPP_MIN_LOG_LEVEL="3")
     command = [sys.executable, "-m", "benchmarks.memory", "--worker", mode]
     result = subprocess.run(
-        command + argv, cwd=ROOT, env=env, capture_output=True, text=True
+        command + argv,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     records = [
         json.loads(line)

@@ -46,16 +46,22 @@ MEMORY_CONFIGS = ["parent", "keras_builtin_k4", "ours_k4", "parent_4b"]
 MEMORY_WORKLOADS = ["mlp", "convnet", "transformer"]
 
 
-def _worker(mode, arguments, module="benchmarks.worker"):
+def _worker(mode, arguments, module="benchmarks.worker", timeout=None):
     """Runs one worker process (`module`, a `worker.py` by default) for
-    `mode`; returns the JSON records it printed, and one error record if it
+    `mode`, killed after `timeout` seconds (`subprocess.TimeoutExpired`);
+    returns the JSON records it printed, and one error record if it
     failed."""
     env = dict(os.environ, KERAS_BACKEND=MODES[mode], TF_CPP_MIN_LOG_LEVEL="3")
     if mode == "jax-dataparallel":
         env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     command = [sys.executable, "-m", module, "--mode", mode]
     result = subprocess.run(
-        command + arguments, cwd=ROOT, env=env, capture_output=True, text=True
+        command + arguments,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     records = [
         json.loads(line)

@@ -165,14 +165,18 @@ def train_seconds(model, x, y, batch_size):
     return clock.seconds
 
 
-def time_group(workload, optimizer_name, mode, jit_compile, repeats, smoke):
+def time_group(
+    workload, optimizer_name, mode, jit_compile, repeats, smoke, only=None
+):
+    """Times every configuration of `workload` and `optimizer_name` (or
+    those in `only`), side by side; yields one record per configuration."""
     micro_batch, steps, smoke_steps = workloads.WORKLOADS[workload]
     steps = smoke_steps if smoke else steps
     if mode in DISTRIBUTED_MODES:
         micro_batch *= REPLICAS
     x, y = workloads.data(workload, steps * micro_batch)
     runs, failed = {}, {}
-    configs = configs_for(mode)
+    configs = [c for c in configs_for(mode) if only is None or c in only]
     scope = strategy_scope(mode)
     for config in configs:
         model, multiplier = compiled_model(
@@ -235,6 +239,12 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--memory", choices=CONFIGS)
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        choices=CONFIGS,
+        help="time only these configurations (default: all)",
+    )
     args = parser.parse_args(argv)
     jit_compile = {"tensorflow-xla": True}.get(
         args.mode, False if args.mode.startswith("tensorflow") else "auto"
@@ -277,6 +287,7 @@ def main(argv=None):
                 jit_compile,
                 args.repeats,
                 args.smoke,
+                args.configs,
             ):
                 print(json.dumps({**common, **record}), flush=True)
 

@@ -298,6 +298,25 @@ def assert_same_state(ours, parent_model, our_model, parent_optimizer):
     )
 
 
+def jax_worker_env(device_count):
+    """The environment of a JAX worker process: the JAX backend on the CPU
+    with `device_count` host devices (XLA fixes the count at start-up) and
+    this checkout's package first on the path."""
+    here = Path(__file__).resolve().parent
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    return dict(
+        os.environ,
+        KERAS_BACKEND="jax",
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=f"{xla_flags} --xla_force_host_platform_device_count="
+        f"{device_count}".strip(),
+        TF_CPP_MIN_LOG_LEVEL="3",
+        PYTHONPATH=os.pathsep.join(
+            [str(here.parent), os.environ.get("PYTHONPATH", "")]
+        ),
+    )
+
+
 def run_jax_worker(script, out_path, device_count, timeout=300):
     """Runs `tests/<script>` in a fresh JAX process with `device_count` host
     CPU devices (XLA fixes the device count at start-up) and this
@@ -311,22 +330,10 @@ def run_jax_worker(script, out_path, device_count, timeout=300):
         timeout: seconds before the worker is killed.
     """
     here = Path(__file__).resolve().parent
-    xla_flags = os.environ.get("XLA_FLAGS", "")
-    env = dict(
-        os.environ,
-        KERAS_BACKEND="jax",
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"{xla_flags} --xla_force_host_platform_device_count="
-        f"{device_count}".strip(),
-        TF_CPP_MIN_LOG_LEVEL="3",
-        PYTHONPATH=os.pathsep.join(
-            [str(here.parent), os.environ.get("PYTHONPATH", "")]
-        ),
-    )
     completed = subprocess.run(
         [sys.executable, str(here / script), str(out_path)],
         cwd=here,
-        env=env,
+        env=jax_worker_env(device_count),
         capture_output=True,
         text=True,
         timeout=timeout,

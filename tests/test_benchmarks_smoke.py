@@ -155,3 +155,52 @@ def test_torch_ddp_benchmark_counts_one_exchange_per_window():
     }
     assert [c.strip() for c in rows["every_step"]] == ["4", "4"]
     assert [c.strip() for c in rows["per_window"]] == ["1", "0"]
+
+
+def test_gpu_check_smoke_reports_every_step_of_this_backend(tmp_path):
+    # On a CPU: a few steps of small models; what needs a GPU is a
+    # 'skipped: no GPU' cell, never a figure. Only the exactness figure
+    # is judged: ours at b against Adam at 4b.
+    backend = keras.backend.backend()
+    command = [sys.executable, "-m", "benchmarks.gpu_check", "--smoke"]
+    result = subprocess.run(
+        command + ["--backends", backend, "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, output
+    record = json.loads((tmp_path / "gpu_check.json").read_text())
+    steps = record["results"][backend]
+    assert steps["device"]["status"] == "ok"
+    assert steps["speed"]["status"] == "ok"
+    assert steps["speed"]["ours_over_parent"] > 0
+    assert steps["speed"]["ours_over_keras"] > 0
+    assert steps["memory"]["status"] == "ok"
+    assert steps["memory"]["sums_bytes"] > 0
+    gpu = steps["device"]["gpu"]
+    expected = "skipped: --smoke" if gpu else "skipped: no GPU"
+    assert steps["fit_to_memory"]["status"] == expected
+    # Default Adam moves a weight by about 1e-3 per update: a wrong update
+    # is far above this; float32 round-off over 2 updates far below.
+    assert steps["device"]["max_abs_difference"] < 1e-4
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert f"| {backend} |" in table and expected in table
+    assert "smoke" in table
+
+
+def test_gpu_check_fails_a_backend_without_gpu_unless_smoke():
+    from benchmarks import gpu_check
+
+    cpu_only = {"jax": {"device": {"status": "ok", "gpu": False}}}
+    for smoke, runs in ((False, False), (True, True)):
+        args = gpu_check.parse(["--backends", "jax"] + ["--smoke"] * smoke)
+        reason = gpu_check.skipped_because("speed", "jax", cpu_only, args)
+        assert (reason is None) == runs
+        results = {"jax": {"device": {"status": "ok"}, "speed": {}}}
+        results["jax"]["speed"]["status"] = reason or "ok"
+        assert gpu_check.succeeded(results, args) == smoke
+    failed = {"jax": {"device": {"status": "failed"}}}
+    assert not gpu_check.succeeded(failed, args)
