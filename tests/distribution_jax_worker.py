@@ -29,6 +29,7 @@ import keras
 from helpers import PARENTS
 from helpers import regression_data
 from helpers import small_model
+from helpers import window_state
 
 from accum_optimizers import AdamAccumulate
 from accum_optimizers import RMSpropAccumulate
@@ -144,7 +145,7 @@ def _placements(model, optimizer):
     (e.g. Adam's `_momentums`), whose placement Keras chose: the baseline.
     Scalars pair `iterations` (Keras') with our counters.
     """
-    slot_lists = {"accumulator": optimizer._accum_sums}
+    slot_lists = {"accumulator": window_state(optimizer)["sums"]}
     for attribute in _PARENT_SLOT_ATTRIBUTES:
         slots = getattr(optimizer, attribute, None)
         if slots:
@@ -171,8 +172,8 @@ def _placements(model, optimizer):
         )
     scalars = {
         "iterations": _placement(optimizer._iterations),
-        "micro_steps": _placement(optimizer._accum_micro_steps),
-        "micro_batches": _placement(optimizer._accum_micro_batches),
+        "micro_steps": _placement(window_state(optimizer)["micro_steps"]),
+        "micro_batches": _placement(window_state(optimizer)["micro_batches"]),
     }
     return {"per_variable": per_variable, "scalars": scalars}
 

@@ -340,3 +340,22 @@ def run_jax_worker(script, out_path, device_count, timeout=300):
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     return json.loads(Path(out_path).read_text())
+
+
+def window_state(optimizer):
+    """The window's variables of a built accumulating optimizer, by name as
+    the window declares them, and `"sums"`, the per-variable sums: the one
+    place the tests read the window's internals."""
+    from accum_optimizers._window.spec import WINDOW_STATE
+
+    state = {
+        variable.name: getattr(optimizer, f"_accum_{variable.name}")
+        for variable in WINDOW_STATE
+    }
+    state["sums"] = optimizer._accum_sums
+    return state
+
+
+def parent_class(cls):
+    """The Keras optimizer class an accumulating class was made from."""
+    return cls._accum_parent

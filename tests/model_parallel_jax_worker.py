@@ -26,6 +26,7 @@ import keras
 import numpy as np
 from helpers import regression_data
 from helpers import small_model
+from helpers import window_state
 
 from accum_optimizers import AdamAccumulate
 
@@ -99,7 +100,7 @@ def main(result_path):
             ),
             "parent_state_bytes": bytes_per_device(parent.variables, devices),
             "our_state_bytes": bytes_per_device(ours.variables, devices),
-            "sums_bytes": bytes_per_device(ours._accum_sums, devices),
+            "sums_bytes": bytes_per_device(window_state(ours)["sums"], devices),
             "model_total_bytes": int(
                 sum(np.prod(v.shape) * 4 for v in our_model.trainable_variables)
             ),

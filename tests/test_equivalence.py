@@ -15,6 +15,7 @@ from helpers import parent_on_window_means
 from helpers import regression_data
 from helpers import small_model
 from helpers import to_numpy
+from helpers import window_state
 from hypothesis import given
 from hypothesis import strategies as st
 from loops import gradients
@@ -108,7 +109,11 @@ def test_accumulators_hold_the_running_sum_and_restart_after_update():
 
     def assert_accumulators(expected):
         assert_all_close(
-            optimizer._accum_sums, expected, rtol=1e-6, atol=0, what="sum"
+            window_state(optimizer)["sums"],
+            expected,
+            rtol=1e-6,
+            atol=0,
+            what="sum",
         )
 
     expected = [np.zeros(v.shape, "float32") for v in model.trainable_variables]
@@ -128,7 +133,11 @@ def test_accumulators_hold_the_running_sum_and_restart_after_update():
     for each in (optimizer, restored):
         each.apply(grads, model.trainable_variables)
         assert_all_close(
-            each._accum_sums, to_numpy(grads), rtol=1e-6, atol=0, what="sum"
+            window_state(each)["sums"],
+            to_numpy(grads),
+            rtol=1e-6,
+            atol=0,
+            what="sum",
         )
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from helpers import assert_all_close
 from helpers import assert_same_weights
+from helpers import parent_class
 from helpers import parent_on_window_means
 from hypothesis import given
 from hypothesis import settings
@@ -78,7 +79,7 @@ def test_every_optimizer_keras_exports_has_an_accumulating_class():
     for name in KERAS_OPTIMIZERS:
         assert f"{name}Accumulate" in accum_optimizers.__all__
         cls = getattr(accum_optimizers, f"{name}Accumulate")
-        assert cls._accum_parent is getattr(keras.optimizers, name)
+        assert parent_class(cls) is getattr(keras.optimizers, name)
 
 
 def _variables():

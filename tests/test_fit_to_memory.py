@@ -18,6 +18,7 @@ from helpers import regression_data
 from helpers import sample_weights
 from helpers import small_model
 from helpers import to_numpy
+from helpers import window_state
 
 from accum_optimizers import AdamAccumulate
 from accum_optimizers import MicroBatchPlan
@@ -193,7 +194,7 @@ def test_probes_leave_weights_and_optimizer_state_as_they_were():
     optimizer = model.optimizer
     assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == 0
     assert int(keras.ops.convert_to_numpy(optimizer.micro_steps)) == 0
-    assert float(to_numpy(optimizer._accum_total_weight)) == 0.0
+    assert float(to_numpy(window_state(optimizer)["total_weight"])) == 0.0
     for variable in optimizer.variables:
         if not variable.path.endswith("learning_rate"):
             assert not np.any(to_numpy(variable)), variable.path

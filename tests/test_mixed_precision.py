@@ -11,6 +11,7 @@ from helpers import assert_same_weights
 from helpers import largest_difference
 from helpers import regression_data
 from helpers import small_model
+from helpers import window_state
 from keras import ops
 
 from accum_optimizers import AdamAccumulate
@@ -77,10 +78,10 @@ def test_accumulators_are_float32_for_float16_variables():
     variable = keras.Variable(np.ones(3), dtype="float16")
     optimizer = SGDAccumulate(accum_iters=2)
     optimizer.build([variable])
-    assert optimizer._accum_sums[0].dtype == "float32"
+    assert window_state(optimizer)["sums"][0].dtype == "float32"
     chosen = SGDAccumulate(accum_iters=2, accumulator_dtype="float16")
     chosen.build([variable])
-    assert chosen._accum_sums[0].dtype == "float16"
+    assert window_state(chosen)["sums"][0].dtype == "float16"
 
 
 def test_float16_variable_accumulates_tiny_gradients_in_float32():

@@ -16,6 +16,7 @@ from helpers import parent_on_window_means
 from helpers import regression_data
 from helpers import small_model
 from helpers import to_numpy
+from helpers import window_state
 from modes import MODES
 from modes import applier
 
@@ -305,7 +306,7 @@ def test_corrupt_counters_are_refused(micro_steps):
     index = next(
         i
         for i, v in enumerate(optimizer.variables)
-        if v is optimizer._accum_micro_steps
+        if v is window_state(optimizer)["micro_steps"]
     )
     store[str(index)] = np.array(micro_steps, "int32")
     with pytest.raises(ValueError, match=f"micro.*{micro_steps}"):
@@ -432,14 +433,14 @@ def test_a_window_saved_by_0_1_0_without_mask_and_weight_resumes():
     optimizer.build(variables)
     # Of the window's state, 0.1.0 saved only its two counters.
     newer = [
-        optimizer._accum_seen,
-        optimizer._accum_total_weight,
-        optimizer._accum_skipped,
-        optimizer._accum_samples_seen,
-        optimizer._accum_samples_seen_error,
-        optimizer._accum_loss_sum,
-        optimizer._accum_window_loss,
-        optimizer._accum_window_grad_norm,
+        window_state(optimizer)["seen"],
+        window_state(optimizer)["total_weight"],
+        window_state(optimizer)["skipped"],
+        window_state(optimizer)["samples_seen"],
+        window_state(optimizer)["samples_seen_error"],
+        window_state(optimizer)["loss_sum"],
+        window_state(optimizer)["window_loss"],
+        window_state(optimizer)["window_grad_norm"],
     ]
     absent = {
         i

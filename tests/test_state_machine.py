@@ -8,7 +8,7 @@ resume must keep the loss scale, and skip non-finite micro-batches
 loss, gradient norm, samples seen and skip count are checked against the
 reference's. Layers (nested `AccumBatchNormalization`)
 are not part of this machine: they are a model's, tested in
-`test_holes.py`."""
+`test_features_combined.py`."""
 
 import keras
 import numpy as np

@@ -19,6 +19,7 @@ from helpers import regression_data
 from helpers import sample_weights
 from helpers import small_model
 from helpers import to_numpy
+from helpers import window_state
 from modes import MODES
 from modes import applier
 
@@ -441,11 +442,11 @@ def test_samples_seen_counts_applied_weight_past_float32s_integers(mode):
         step(grads, weight)
     assert float(to_numpy(ours.samples_seen)) == 6 * 2 * weight
     # Past 2**24 a float32 total drops odd counts; the pair keeps them.
-    ours._accum_samples_seen.assign(2.0**24)
+    window_state(ours)["samples_seen"].assign(2.0**24)
     for grads in _gradients(16, 2 * 3):
         step(grads, 1.5)
-    hi = float(to_numpy(ours._accum_samples_seen))
-    lo = float(to_numpy(ours._accum_samples_seen_error))
+    hi = float(to_numpy(window_state(ours)["samples_seen"]))
+    lo = float(to_numpy(window_state(ours)["samples_seen_error"]))
     assert hi + lo == 2.0**24 + 3 * 3.0
 
 

@@ -15,6 +15,7 @@ from helpers import regression_data
 from helpers import sample_weights
 from helpers import small_model
 from helpers import to_numpy
+from helpers import window_state
 from modes import MODES
 from modes import applier
 
@@ -231,7 +232,7 @@ def test_a_state_between_windows_empties_a_pending_window():
         saved.apply(_tensors(grad), variables)
     store = {}
     saved.save_own_variables(store)
-    sums = {id(v) for v in saved._accum_sums}
+    sums = {id(v) for v in window_state(saved)["sums"]}
     for i, variable in enumerate(saved.variables):
         if id(variable) in sums:
             store[str(i)] = np.full(variable.shape, 1e3, "float32")

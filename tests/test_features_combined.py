@@ -1,5 +1,8 @@
-"""Holes found by probing the release's features against the big batch
-(issue 21): each case ends exact, or with an error that names the problem.
+"""Features combined (a MultiOptimizer with weighted windows, BatchNorm
+inside custom layers, sample weights with masks, mixed precision with a
+weights-only resume, validation and checkpoints around a flush, the logger
+with schedules): each case ends exact, or with an error that names the
+problem.
 
 Oracles: the parent Keras optimizer (or `BatchNormalization`) trained on the
 concatenated big batch, the uninterrupted run, Keras' own `evaluate`."""
