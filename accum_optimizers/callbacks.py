@@ -351,11 +351,18 @@ class AccumulationLogger(keras.callbacks.Callback):
         steps = int(getattr(self.model, "steps_per_execution", 1) or 1)
         if self.update_freq == "epoch" or steps == 1:
             return
-        accum_iters = self._optimizer().current_accum_iters
-        if steps <= accum_iters and isinstance(
-            self._optimizer().accum_iters, int
-        ):
+        optimizer = self._optimizer()
+        schedule = optimizer._accum_schedule
+        smallest = (
+            optimizer.accum_iters
+            if schedule is None
+            else schedule.min_accum_iters
+        )
+        # An execution of at most `smallest` micro-batches closes at most
+        # one window (a skipped micro-batch only makes one longer).
+        if steps <= smallest:
             return
+        accum_iters = optimizer.current_accum_iters
         warnings.warn(
             f"AccumulationLogger(update_freq={self.update_freq!r}) sees the "
             "optimizer between executions only: with "

@@ -59,8 +59,9 @@ class AccumSchedule:
     applied updates (an int32 scalar tensor, or a Python int) and returns
     the window size `k >= 1` for the next update, written with `keras.ops`
     so that it runs in compiled code; and `get_config()`.
-    `min_accum_iters`, the smallest window it returns, is informational
-    (`1` if unknown).
+    `min_accum_iters` is the smallest window it returns (`1` if unknown):
+    `AccumulationLogger` reads it to know whether an execution of
+    `steps_per_execution` micro-batches can close several windows.
     """
 
     min_accum_iters = 1

@@ -25,7 +25,9 @@ class _WindowSync:
         self.bucket_bytes = int(bucket_cap_mb * 2**20)
 
 
-def sync_windows(optimizer, process_group=None, bucket_cap_mb=25):
+def sync_windows(
+    optimizer, process_group=None, bucket_cap_mb=DEFAULT_BUCKET_CAP_MB
+):
     """Makes `optimizer` all-reduce its window's sums once per window.
 
     From now on, each time a window closes (its `accum_iters`-th `apply`,

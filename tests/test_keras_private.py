@@ -38,6 +38,28 @@ def test_every_listed_name_is_covered_here():
     }
 
 
+def test_every_listed_private_name_exists_in_the_installed_keras():
+    # The registries name what the package touches; a Keras that renames
+    # one fails here, not in a user's run.
+    optimizer, _ = _built_adam()
+    for name in _keras_private.OPTIMIZER_ATTRIBUTES:
+        assert hasattr(optimizer, name), name
+    module = _keras_private.loss_module()
+    for name in _keras_private.LOSS_MODULE_FUNCTIONS:
+        assert callable(getattr(module, name, None)), name
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    for name in _keras_private.TRAINER_ATTRIBUTES:
+        assert hasattr(model, name), name
+    if keras.backend.backend() == "tensorflow":
+        for name in _keras_private.TENSORFLOW_OPTIMIZER_ATTRIBUTES:
+            assert hasattr(optimizer, name), name
+    if keras.backend.backend() == "torch":
+        import torch
+
+        for name in _keras_private.TORCH_FOREACH_FUNCTIONS:
+            assert callable(getattr(torch, name, None)), name
+
+
 def test_iterations_is_the_update_counter_variable():
     optimizer, variables = _built_adam()
     optimizer.apply(_grads(variables), variables)
