@@ -456,3 +456,48 @@ def set_jax_state_to_variables(model):
         "optimizer_variables": [v.value for v in model.optimizer.variables],
         "metrics_variables": [v.value for v in model.metrics_variables],
     }
+
+
+# -- Global random state (`check_exactness`, check/_runs.py) -------------------
+#
+# `keras.random` functions called without a `seed` draw from one global
+# `SeedGenerator`, kept in Keras' global state under
+# "global_seed_generator" (made on first use, dropped by `clear_session` and
+# `set_random_seed`). The check builds models, which draws from it; it puts
+# the generator and its state back afterwards.
+
+GLOBAL_SEED_GENERATOR = "global_seed_generator"
+
+
+def global_seed_generator_state():
+    """`(generator, state)`: Keras' global `SeedGenerator` (or `None`) and a
+    numpy copy of its state (or `None`)."""
+    from keras.src.backend.common import global_state
+
+    generator = global_state.get_global_attribute(GLOBAL_SEED_GENERATOR)
+    if generator is None:
+        return None, None
+    return generator, keras.ops.convert_to_numpy(generator.state.value).copy()
+
+
+def restore_global_seed_generator(saved):
+    """Puts back what `global_seed_generator_state` returned."""
+    from keras.src.backend.common import global_state
+
+    generator, state = saved
+    global_state.set_global_attribute(GLOBAL_SEED_GENERATOR, generator)
+    if generator is not None:
+        generator.state.assign(state)
+
+
+def is_functional(model):
+    """Whether `model` is a Functional model (`keras.Model(inputs,
+    outputs)`, or a subclass of it whose constructor takes those
+    arguments), which `keras.models.clone_model` rebuilds layer by layer
+    as its own class."""
+    from keras.src.models.functional import Functional
+    from keras.src.models.functional import functional_like_constructor
+
+    return isinstance(model, Functional) and functional_like_constructor(
+        type(model)
+    )
