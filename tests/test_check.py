@@ -247,7 +247,6 @@ def test_logger_with_more_steps_per_execution_than_windows_is_named():
         model = _compiled(
             small_model(11),
             AdamAccumulate(accum_iters=2),
-            run_eagerly=False,
             steps_per_execution=steps,
         )
         report = check_exactness(
@@ -257,32 +256,43 @@ def test_logger_with_more_steps_per_execution_than_windows_is_named():
         assert _causes(report) == expected, steps
 
 
-def _step_model(base, passes_loss):
-    import tensorflow as tf
+def _gradients(model, x, y):
+    """`(loss, gradients)` of `model` on a batch, on TensorFlow or torch."""
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
 
-    class Step(base):
+        with tf.GradientTape() as tape:
+            loss = model.compute_loss(x, y, model(x, training=True))
+        return loss, tape.gradient(loss, model.trainable_variables)
+    model.zero_grad()
+    loss = model.compute_loss(x, y, model(x, training=True))
+    loss.backward()
+    return loss, [v.value.grad for v in model.trainable_variables]
+
+
+def _step_model(passes_loss):
+    """A Functional model whose own `train_step` hands the optimizer the
+    loss, or not."""
+
+    class Step(keras.Model):
         def train_step(self, data):
             x, y = data
-            with tf.GradientTape() as tape:
-                loss = self.compute_loss(x, y, self(x, training=True))
-            grads = tape.gradient(loss, self.trainable_variables)
-            pairs = zip(grads, self.trainable_variables)
+            loss, grads = _gradients(self, x, y)
             extra = {"loss": loss} if passes_loss else {}
-            self.optimizer.apply_gradients(pairs, **extra)
-            return {}
+            self.optimizer.apply(grads, self.trainable_variables, **extra)
+            return {"loss": loss}
 
-    return Step
+    keras.utils.set_random_seed(12)
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(2)(keras.layers.Dense(3)(inputs))
+    return Step(inputs, outputs)
 
 
-@pytest.mark.backends("tensorflow")
+@pytest.mark.backends("tensorflow", "torch")  # JAX's train_step is stateless
 def test_train_step_without_loss_is_named():
     x, y = regression_data(12, 16)
     for passes_loss in (False, True):
-        keras.utils.set_random_seed(12)
-        inputs = keras.Input((4,))
-        outputs = keras.layers.Dense(2)(keras.layers.Dense(3)(inputs))
-        model = _step_model(keras.Model, passes_loss)(inputs, outputs)
-        _compiled(model, AdamAccumulate(accum_iters=2))
+        model = _compiled(_step_model(passes_loss), AdamAccumulate(accum_iters=2))
         report = check_exactness(
             model, x, y, batch_size=4, updates=2, verbose=0
         )
@@ -304,7 +314,7 @@ def test_model_optimizer_and_random_state_are_left_as_they_were():
             keras.layers.Dense(2),
         ]
     )
-    model.compile(optimizer=AdamAccumulate(accum_iters=2), loss="mse")
+    _compiled(model, AdamAccumulate(accum_iters=2))
     model.fit(x[:12], y[:12], batch_size=4, shuffle=False, verbose=0)
     optimizer = model.optimizer
     assert int(optimizer.micro_steps) == 1  # mid-window

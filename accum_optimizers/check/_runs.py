@@ -121,13 +121,35 @@ def fresh_optimizers(optimizer):
                 decay_rate=config["decay"],
             )
         )
-    parent = type(inner)._accum_parent.from_config(parent_config)
+    parent = _ignoring_window_arguments(
+        type(inner)._accum_parent.from_config(parent_config)
+    )
     if scale is not None:
         accumulating = keras.optimizers.LossScaleOptimizer(
             accumulating, **scale
         )
         parent = keras.optimizers.LossScaleOptimizer(parent, **scale)
     return accumulating, parent
+
+
+def _ignoring_window_arguments(optimizer):
+    """Lets `optimizer` take `apply(..., weight=, loss=)` as an
+    accumulating optimizer does, and ignore them: a train step of your own
+    written for the accumulating optimizer runs unchanged with the parent
+    (one big batch needs no weight)."""
+    apply = optimizer.apply
+    apply_gradients = optimizer.apply_gradients
+
+    def apply_without(grads, trainable_variables=None, *, weight=None,
+                      loss=None):
+        return apply(grads, trainable_variables)
+
+    def apply_gradients_without(grads_and_vars, *, weight=None, loss=None):
+        return apply_gradients(grads_and_vars)
+
+    optimizer.apply = apply_without
+    optimizer.apply_gradients = apply_gradients_without
+    return optimizer
 
 
 def compile_like(clone, model, optimizer):
