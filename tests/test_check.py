@@ -27,6 +27,8 @@ from accum_optimizers import FlushAccumulation
 from accum_optimizers import SGDAccumulate
 from accum_optimizers import check_exactness
 from accum_optimizers import weigh_micro_batches
+from accum_optimizers.check import ExactnessReport
+from accum_optimizers.check import VariableDrift
 from accum_optimizers.check import __main__ as check_cli
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,7 +87,7 @@ def test_drift_is_the_distance_to_the_parent_on_the_big_batch():
     ):
         clone = keras.models.clone_model(model)
         clone.set_weights(model.get_weights())
-        clone.compile(optimizer=optimizer, loss="mse")
+        clone.compile(optimizer=optimizer, loss="mse", run_eagerly=True)
         n = k * b * updates
         clone.fit(x[:n], y[:n], batch_size=batch_size, shuffle=False, verbose=0)
         runs.append(clone.get_weights())
@@ -292,7 +294,8 @@ def _step_model(passes_loss):
 def test_train_step_without_loss_is_named():
     x, y = regression_data(12, 16)
     for passes_loss in (False, True):
-        model = _compiled(_step_model(passes_loss), AdamAccumulate(accum_iters=2))
+        model = _step_model(passes_loss)
+        _compiled(model, AdamAccumulate(accum_iters=2))
         report = check_exactness(
             model, x, y, batch_size=4, updates=2, verbose=0
         )
@@ -384,6 +387,22 @@ def test_report_prints_unless_verbose_0(capsys):
     printed = capsys.readouterr().out
     assert printed == str(report) + "\n"
     assert "exact" in printed and "dense" in printed
+
+
+def test_a_long_table_shows_the_variables_that_drift_most():
+    table = [
+        VariableDrift(f"v{i}", moved=1.0, drift=0.0, floor=0.0, tolerance=1.0)
+        for i in range(20)
+    ]
+    table[15] = VariableDrift("v15", 1.0, drift=5.0, floor=0.0, tolerance=1.0)
+    report = ExactnessReport(
+        exact=False, optimizer="SGDAccumulate(accum_iters=2)", batch_size=4,
+        accum_iters=2, updates=1, drift=[5.0], floor=[0.0], table=table,
+        causes=[],
+    )
+    lines = report.lines(max_rows=3)
+    assert lines[2].split()[0] == "v15" and lines[2].endswith("<- drifts")
+    assert "  ... 17 more variables, 0 drifting" in lines
 
 
 def _saved(tmp_path, model, x, y):

@@ -138,67 +138,75 @@ def check_exactness(
 
 
 class _Comparison:
+    """What `_compare` measured: `table`, `drift`, `floor`, `notes`, and
+    the `facts` the diagnosis reads (see `Setup`)."""
+
     def __init__(self, **fields):
         self.__dict__.update(fields)
 
 
+def _trained(model, optimizer, accumulates, k, batch_size, samples):
+    """`(clone, snapshots)`: a clone of `model` trained on `samples` by
+    the accumulating optimizer at `batch_size` (`accumulates`) or by its
+    parent at `k * batch_size`, with its weights after every update."""
+    clone, swapped = _runs.clone_model(
+        model,
+        batch_norm_accum_iters=k if accumulates else 1,
+        random_layers_off=True,
+    )
+    accumulating, parent = _runs.fresh_optimizers(optimizer)
+    _runs.compile_like(clone, model, accumulating if accumulates else parent)
+    snapshots = _runs.train(
+        clone,
+        samples,
+        batch_size if accumulates else k * batch_size,
+        snapshot_every=k if accumulates else 1,
+    )
+    return clone, swapped, snapshots
+
+
 def _compare(model, optimizer, k, batch_size, data, shuffled):
     """Runs the three trainings and measures them (see `check_exactness`)."""
-    start = [np.array(w, copy=True) for w in model.get_weights()]
-    runs = {}
-    for name, accumulates, samples in (
-        ("accumulated", True, data),
-        ("big", False, data),
-        ("reordered", False, shuffled),
-    ):
-        clone, swapped = _runs.clone_model(
-            model,
-            batch_norm_accum_iters=k if accumulates else 1,
-            random_layers_off=True,
-        )
-        accumulating, parent = _runs.fresh_optimizers(optimizer)
-        _runs.compile_like(clone, model, accumulating if accumulates else parent)
-        runs[name] = _runs.train(
-            clone,
-            samples,
-            batch_size if accumulates else k * batch_size,
-            snapshot_every=k if accumulates else 1,
-        )
-        if accumulates:
-            window_loss = float(
-                keras.ops.convert_to_numpy(_inner(clone.optimizer).window_loss)
-            )
-        if name == "big":
-            loss_reductions = _loss_reductions(clone, data, batch_size)
-    paths = [v.path for v in model.weights]
     keep = _compared(model)
-    pick = lambda snapshots: [[s[i] for i in keep] for s in snapshots]  # noqa: E731
-    notes = []
-    random_layers = [
-        layer
+
+    def kept(snapshots):
+        return [[weights[i] for i in keep] for weights in snapshots]
+
+    start = kept([model.get_weights()])[0]
+    clone, swapped, accumulated = _trained(
+        model, optimizer, True, k, batch_size, data
+    )
+    window_loss = _inner(clone.optimizer).window_loss
+    window_loss = float(keras.ops.convert_to_numpy(window_loss))
+    clone, _, big = _trained(model, optimizer, False, k, batch_size, data)
+    loss_reductions = _loss_reductions(clone, data, batch_size)
+    _, _, reordered = _trained(model, optimizer, False, k, batch_size, shuffled)
+    accumulated, big, reordered = map(kept, (accumulated, big, reordered))
+    random_layers_off = swapped and any(
+        _runs.is_random_layer(layer)
         for layer in _keras_private.sublayers(model)
-        if _runs.is_random_layer(layer)
-    ]
-    if random_layers and swapped:
+    )
+    notes = []
+    if random_layers_off:
         notes.append(
             "random layers ran with training=False in every run "
             "(see the random_layers cause)"
         )
     return _Comparison(
         table=variable_drifts(
-            [paths[i] for i in keep],
-            [start[i] for i in keep],
-            pick(runs["big"]),
-            pick(runs["accumulated"]),
-            pick(runs["reordered"]),
+            [model.weights[i].path for i in keep],
+            start,
+            big,
+            accumulated,
+            reordered,
         ),
-        drift=per_update(pick(runs["accumulated"]), pick(runs["big"])),
-        floor=per_update(pick(runs["reordered"]), pick(runs["big"])),
+        drift=per_update(accumulated, big),
+        floor=per_update(reordered, big),
         notes=notes,
         facts={
             "loss_reductions": loss_reductions,
             "window_loss_missing": bool(np.isnan(window_loss)),
-            "random_layers_off": bool(random_layers) and swapped,
+            "random_layers_off": random_layers_off,
         },
     )
 

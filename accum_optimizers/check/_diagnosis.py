@@ -107,7 +107,7 @@ def _random_layers(setup):
     if setup.random_layers_off:
         remedy += (
             "The check called them with `training=False` in every run, so "
-            "the drift above is the optimizer's alone."
+            "none of the drift above comes from them."
         )
     else:
         remedy += (
@@ -142,7 +142,8 @@ def _partial_window(setup):
     return Cause(
         "partial_window",
         f"{micro_batches} micro-batches per epoch at "
-        f"accum_iters={setup.accum_iters}: {left} left at the epoch's end",
+        f"accum_iters={setup.accum_iters}: {left} left at the epoch's "
+        "end",
         "Without `FlushAccumulation` they are carried into the next "
         "epoch's first window, a group the big-batch run never forms. "
         "Pass `callbacks=[accum_optimizers.FlushAccumulation()]` to `fit` "
@@ -262,10 +263,10 @@ def _loss_scale(setup):
     if not wrapped and "mixed_float16" not in policies:
         return None
     where = (
-        "a LossScaleOptimizer"
-        if wrapped
-        else "the mixed_float16 dtype policy (compile adds a "
+        "the mixed_float16 dtype policy (compile wraps the optimizer in a "
         "LossScaleOptimizer)"
+        if "mixed_float16" in policies
+        else "a LossScaleOptimizer"
     )
     return Cause(
         "dynamic_loss_scale",

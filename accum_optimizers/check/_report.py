@@ -70,23 +70,30 @@ def variable_drifts(paths, start, big, accumulated, reordered):
     """
     drifts = []
     for i, path in enumerate(paths):
-        drift = max(np.max(np.abs(a[i] - b[i]), initial=0.0)
-                    for a, b in zip(accumulated, big))
-        floor = max(np.max(np.abs(r[i] - b[i]), initial=0.0)
-                    for r, b in zip(reordered, big))
         largest = np.max(np.abs(big[-1][i]), initial=0.0)
+        floor = _largest_difference(reordered, big, i)
         drifts.append(
             VariableDrift(
                 path=path,
-                moved=float(np.max(np.abs(big[-1][i] - start[i]), initial=0.0)),
-                drift=float(drift),
-                floor=float(floor),
+                moved=float(np.max(np.abs(big[-1][i] - start[i]), initial=0)),
+                drift=_largest_difference(accumulated, big, i),
+                floor=floor,
                 tolerance=float(
                     FLOOR_MULTIPLE * floor + ROUNDOFF_ULPS * largest
                 ),
             )
         )
     return drifts
+
+
+def _largest_difference(run, reference, i):
+    """The largest |difference| of variable `i` after any update."""
+    return float(
+        max(
+            np.max(np.abs(a[i] - b[i]), initial=0.0)
+            for a, b in zip(run, reference)
+        )
+    )
 
 
 def per_update(runs, big):
@@ -140,7 +147,7 @@ class ExactnessReport:
         ]
         rows = sorted(
             self.table,
-            key=lambda v: v.drift / v.tolerance if v.tolerance else np.inf,
+            key=_drift_over_tolerance,
             reverse=True,
         )
         shown = self.table if len(rows) <= max_rows else rows[:max_rows]
@@ -155,10 +162,12 @@ class ExactnessReport:
                 f"{v.floor:8.1e}  {v.drift_over_moved:11.1e}"
                 + ("" if v.exact else "  <- drifts")
             )
-        if len(shown) < len(self.table):
-            lines.append(f"  ({len(self.table) - len(shown)} more, exact)"
-                         if all(v.exact for v in rows[max_rows:])
-                         else f"  ({len(self.table) - len(shown)} more)")
+        hidden = rows[max_rows:] if len(rows) > max_rows else []
+        if hidden:
+            drifting = sum(not v.exact for v in hidden)
+            lines.append(
+                f"  ... {len(hidden)} more variables, {drifting} drifting"
+            )
         lines.append(
             f"  largest drift {max(self.drift, default=0.0):.1e}, "
             f"round-off floor {max(self.floor, default=0.0):.1e}"
@@ -170,18 +179,28 @@ class ExactnessReport:
             f"{FLOOR_MULTIPLE:g}x the round-off floor"
         )
         lines.append(verdict)
-        lines.extend(f"note: {note}" for note in self.notes)
+        for note in self.notes:
+            lines.extend(_wrap(f"note: {note}", "", "  "))
         if not self.causes:
             lines.append("known causes found: none")
         for cause in self.causes:
-            lines.append(f"cause: {cause.name} ({cause.where})")
-            lines.extend(
-                textwrap.wrap(
-                    f"remedy: {cause.remedy}",
-                    width=76,
-                    initial_indent="  ",
-                    subsequent_indent="    ",
-                    break_on_hyphens=False,
-                )
-            )
+            cause_line = f"cause: {cause.name} ({cause.where})"
+            lines.extend(_wrap(cause_line, "", "  "))
+            lines.extend(_wrap(f"remedy: {cause.remedy}", "  ", "    "))
         return lines
+
+
+def _drift_over_tolerance(variable):
+    if variable.tolerance:
+        return variable.drift / variable.tolerance
+    return np.inf if variable.drift else 0.0
+
+
+def _wrap(text, first, rest):
+    return textwrap.wrap(
+        text,
+        width=76,
+        initial_indent=first,
+        subsequent_indent=rest,
+        break_on_hyphens=False,
+    )
