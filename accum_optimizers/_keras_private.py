@@ -501,3 +501,14 @@ def is_functional(model):
     return isinstance(model, Functional) and functional_like_constructor(
         type(model)
     )
+
+
+def compiled_loss_weights(model):
+    """The `loss_weights` argument `model` was compiled with (or `None`),
+    as given: `Trainer._compile_config.config` holds `compile`'s arguments
+    unserialized (`get_compile_config` serializes them all, and fails on a
+    lambda loss)."""
+    compile_config = getattr(model, "_compile_config", None)
+    if compile_config is None:
+        return None
+    return compile_config.config.get("loss_weights")

@@ -372,6 +372,27 @@ def test_bad_arguments_are_refused_naming_argument_and_value(kwargs, error):
         check_exactness(model, x, y, **arguments)
 
 
+def test_a_dataset_instead_of_arrays_is_refused_naming_x():
+    x, y = regression_data(15, 16)
+    model = _compiled(small_model(15), AdamAccumulate(accum_iters=2))
+    with pytest.raises(ValueError, match="`x` must be arrays"):
+        check_exactness(model, iter([(x, y)]), None, batch_size=4, verbose=0)
+
+
+def test_a_lambda_loss_needs_no_deserialization():
+    x, y = regression_data(19, 16)
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    _compiled(
+        model,
+        SGDAccumulate(0.1, accum_iters=2),
+        loss=lambda y, p: keras.ops.mean(keras.ops.square(y - p), axis=-1),
+    )
+    report = check_exactness(model, x, y, batch_size=4, updates=2, verbose=0)
+    assert report.exact, str(report)
+    assert model.compiled
+
+
 def test_uncompiled_model_is_refused():
     x, y = regression_data(15, 16)
     with pytest.raises(ValueError, match="must be compiled"):

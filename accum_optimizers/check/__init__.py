@@ -316,7 +316,14 @@ def _sample_count(x, y, sample_weight):
         if data is None:
             continue
         for leaf in keras.tree.flatten(data):
-            counts.setdefault(len(np.asarray(leaf)), name)
+            if np.ndim(leaf) == 0:
+                raise ValueError(
+                    f"`{name}` must be arrays (or a list or dict of "
+                    "arrays) with one entry per sample, which the check "
+                    "slices into its batches. Received: "
+                    f"{name}={leaf!r} of type {type(leaf).__name__}"
+                )
+            counts.setdefault(len(leaf), name)
     if len(counts) != 1:
         raise ValueError(
             "`x`, `y` and `sample_weight` must hold the same number of "

@@ -69,16 +69,31 @@ def clone_model(model, batch_norm_accum_iters, random_layers_off):
             return _InInferenceMode(new)
         return new
 
-    if clones_layer_by_layer(model):
-        clone = keras.models.clone_model(
-            model, clone_function=clone_layer, recursive=True
-        )
-        swapped = True
-    else:
-        clone = keras.models.clone_model(model)
-        swapped = False
+    with _as_uncompiled(model):
+        if clones_layer_by_layer(model):
+            clone = keras.models.clone_model(
+                model, clone_function=clone_layer, recursive=True
+            )
+            swapped = True
+        else:
+            clone = keras.models.clone_model(model)
+            swapped = False
     clone.set_weights(model.get_weights())
     return clone, swapped
+
+
+@contextlib.contextmanager
+def _as_uncompiled(model):
+    """`clone_model` compiles a clone of a compiled model from its
+    serialized compile config, which fails for a loss that is a lambda or
+    an unregistered function; the clones are compiled with the loss object
+    itself instead (`compile_like`)."""
+    compiled = model.compiled
+    model.compiled = False
+    try:
+        yield
+    finally:
+        model.compiled = compiled
 
 
 def clones_layer_by_layer(model):
@@ -156,11 +171,10 @@ def compile_like(clone, model, optimizer):
     """Compiles `clone` with `model`'s loss, loss weights and execution
     mode, `optimizer`, no metrics and one step per execution (so that the
     weights can be read after every update)."""
-    loss_weights = model.get_compile_config().get("loss_weights")
     clone.compile(
         optimizer=optimizer,
         loss=model.loss,
-        loss_weights=keras.saving.deserialize_keras_object(loss_weights),
+        loss_weights=_keras_private.compiled_loss_weights(model),
         run_eagerly=model.run_eagerly,
         jit_compile=model.jit_compile,
     )
