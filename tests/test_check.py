@@ -5,8 +5,11 @@ tests give it models with and without each known cause, and compare what
 it measures with the parent run here.
 """
 
+import contextlib
+import io
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -467,3 +470,18 @@ def test_command_line_exits_1_on_drift(tmp_path, capsys):
     files = _saved(tmp_path, model, x, y)
     assert check_cli.main([*files, "--batch-size", "4", "--updates", "2"]) == 1
     assert "cause: batch_statistics" in capsys.readouterr().out
+
+
+@pytest.mark.backends("jax")  # The page shows JAX's output.
+def test_docs_page_shows_what_the_clean_example_prints():
+    page = (ROOT / "docs" / "check.md").read_text()
+    code, shown = re.search(
+        r'```python title="check a clean model"\n(.*?)```.*?'
+        r"```text\n(.*?)```",
+        page,
+        re.S,
+    ).groups()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "check.md", "exec"), {})
+    assert out.getvalue() == shown
