@@ -64,6 +64,12 @@ Trainer internals used by `fit_to_memory` (`memory_fit.py`):
 `_symbolic_build` and JAX's `_jax_state` / `_jax_state_synced` (see
 `symbolic_build` and the functions after it).
 
+Used by `check_exactness` (`check/`): Keras' global `SeedGenerator` in
+`global_state` (`global_seed_generator_state`), `Functional` and
+`functional_like_constructor` (`is_functional`), and the unserialized
+arguments of `compile` in `Trainer._compile_config`
+(`compiled_loss_weights`).
+
 Versions: `check_keras_version` refuses a Keras older than 3.10 (3.9 lacks
 `keras.Variable(synchronization=...)`), Keras 2, and `tf.keras` routed to
 Keras 2 by `TF_USE_LEGACY_KERAS`. Optimizers Keras added after 3.10 are in
