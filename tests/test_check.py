@@ -33,6 +33,7 @@ from accum_optimizers import weigh_micro_batches
 from accum_optimizers.check import ExactnessReport
 from accum_optimizers.check import VariableDrift
 from accum_optimizers.check import __main__ as check_cli
+from accum_optimizers.layers import with_accum_batch_norm
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -111,6 +112,32 @@ def test_clean_model_has_no_cause_and_batch_norm_has_its_remedy():
     assert cause.name == "batch_statistics"
     assert "with_accum_batch_norm" in cause.remedy
     assert "batch_normalization" in cause.where
+
+
+@pytest.mark.parametrize("accumulating_layer", [False, True])
+def test_moving_statistics_are_the_big_batchs_with_accum_batch_norm(
+    accumulating_layer,
+):
+    x, y = regression_data(20, 16)
+    model = _bn_model(20)
+    if accumulating_layer:
+        model = with_accum_batch_norm(model, accum_iters=2)
+    _compiled(model, SGDAccumulate(0.1, accum_iters=2))
+    # Within the first window the weights do not move: its pooled
+    # statistics are the big batch's.
+    report = check_exactness(model, x, y, batch_size=4, updates=1, verbose=0)
+    moving = {
+        v.path.rsplit("/", 1)[1]: v.exact
+        for v in report.table
+        if "moving_" in v.path
+    }
+    assert moving == {
+        "moving_mean": accumulating_layer,
+        "moving_variance": accumulating_layer,
+    }
+    (cause,) = report.causes
+    assert cause.name == "batch_statistics"
+    assert ("already" in cause.remedy) == accumulating_layer
 
 
 def test_random_layers_are_named_and_compared_in_inference_mode():

@@ -54,9 +54,9 @@ def check_exactness(
     round-off floor (Adam turns float round-off into visible drift after a
     few dozen updates on some models); a drift within
     `FLOOR_MULTIPLE` (10) times the floor, plus a few float32 ulps, reads
-    as exact. Random layers (`Dropout`, `GaussianNoise`, ...) are called
-    with `training=False` in all three runs, as they draw other numbers per
-    micro-batch by design.
+    as exact. Random layers (`Dropout`, `GaussianNoise`, ...) of a
+    Sequential or Functional model are called with `training=False` in all
+    three runs, as they draw other numbers per micro-batch by design.
 
     `model`, its optimizer's state and the global random states (Python's,
     numpy's, Keras' and torch's) are left as they were.
@@ -89,10 +89,8 @@ def check_exactness(
             with its value.
     """
     optimizer = model_optimizer(model, optimizer)
-    inner = optimizer
-    while isinstance(inner, keras.optimizers.LossScaleOptimizer):
-        inner = inner.inner_optimizer
-    k = inner.accum_iters
+    inner = _inner(optimizer)
+    k = int(inner.accum_iters)
     _check_positive_int("batch_size", batch_size)
     _check_positive_int("updates", updates)
     callbacks = list(callbacks or [])
@@ -146,9 +144,10 @@ class _Comparison:
 
 
 def _trained(model, optimizer, accumulates, k, batch_size, samples):
-    """`(clone, snapshots)`: a clone of `model` trained on `samples` by
-    the accumulating optimizer at `batch_size` (`accumulates`) or by its
-    parent at `k * batch_size`, with its weights after every update."""
+    """`(clone, swapped, snapshots)`: a clone of `model` (see
+    `_runs.clone_model` for `swapped`) trained on `samples` by the
+    accumulating optimizer at `batch_size` (`accumulates`) or by its
+    parent at `k * batch_size`, and its weights after every update."""
     clone, swapped = _runs.clone_model(
         model,
         batch_norm_accum_iters=k if accumulates else 1,
