@@ -269,7 +269,17 @@ def test_loss_scale_optimizer_is_named():
     model = _compiled(small_model(10), wrapped)
     report = check_exactness(model, x, y, batch_size=4, updates=2, verbose=0)
     assert _causes(report) == ["dynamic_loss_scale"]
+    assert "a LossScaleOptimizer" in report.causes[0].where
     assert report.exact, str(report)
+
+
+def test_mixed_float16_policy_is_named():
+    x, y = regression_data(10, 16)
+    keras.config.set_dtype_policy("mixed_float16")
+    model = _compiled(small_model(10), AdamAccumulate(accum_iters=2))
+    report = check_exactness(model, x, y, batch_size=4, updates=2, verbose=0)
+    assert _causes(report) == ["dynamic_loss_scale"]
+    assert "mixed_float16" in report.causes[0].where
 
 
 def test_logger_with_more_steps_per_execution_than_windows_is_named():
@@ -458,7 +468,8 @@ def test_a_long_table_shows_the_variables_that_drift_most():
 
 def _saved(tmp_path, model, x, y):
     model.save(tmp_path / "model.keras")
-    np.savez(tmp_path / "data.npz", x=x, y=y)
+    arrays = {"x": x} if y is None else {"x": x, "y": y}
+    np.savez(tmp_path / "data.npz", **arrays)
     return [str(tmp_path / "model.keras"), str(tmp_path / "data.npz")]
 
 
@@ -488,6 +499,14 @@ def test_command_line_checks_a_saved_model(tmp_path):
         completed.stdout
     )
     assert accum_optimizers.__file__.startswith(str(ROOT))
+
+
+def test_command_line_exits_2_without_y(tmp_path, capsys):
+    x, _ = regression_data(18, 16)
+    model = _compiled(small_model(18), AdamAccumulate(accum_iters=2))
+    files = _saved(tmp_path, model, x, None)
+    assert check_cli.main([*files, "--batch-size", "4"]) == 2
+    assert "has no array 'y'" in capsys.readouterr().err
 
 
 def test_command_line_exits_1_on_drift(tmp_path, capsys):

@@ -150,7 +150,7 @@ def _trained(model, optimizer, accumulates, k, batch_size, samples):
     parent at `k * batch_size`, and its weights after every update."""
     clone, swapped = _runs.clone_model(
         model,
-        batch_norm_accum_iters=k if accumulates else 1,
+        batch_norm_accum_iters=None if accumulates else 1,
         random_layers_off=True,
     )
     accumulating, parent = _runs.fresh_optimizers(optimizer)

@@ -49,8 +49,9 @@ def clone_model(model, batch_norm_accum_iters, random_layers_off):
     Args:
         model: the user's model (left untouched).
         batch_norm_accum_iters: the `accum_iters` its
-            `AccumBatchNormalization` layers get: the optimizer's for the
-            accumulating run, `1` for the big-batch runs.
+            `AccumBatchNormalization` layers get: `None` keeps theirs (the
+            accumulating run), `1` makes them `BatchNormalization` (the
+            big-batch runs).
         random_layers_off: Boolean. Call random layers with
             `training=False`.
 
@@ -62,7 +63,9 @@ def clone_model(model, batch_norm_accum_iters, random_layers_off):
 
     def clone_layer(layer):
         config = layer.get_config()
-        if isinstance(layer, AccumBatchNormalization):
+        if batch_norm_accum_iters is not None and isinstance(
+            layer, AccumBatchNormalization
+        ):
             config["accum_iters"] = batch_norm_accum_iters
         new = layer.__class__.from_config(config)
         if random_layers_off and is_random_layer(layer):
