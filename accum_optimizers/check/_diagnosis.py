@@ -165,25 +165,19 @@ def _loss_counts(setup):
             "weigh it. Use the default reduction 'sum_over_batch_size', or "
             f"divide the learning rate by {setup.accum_iters}.",
         )
-    counted = [
-        name
-        for name, r in zip(names, reductions)
-        if r.mask is not None
+    # Counts that differ between micro-batches: valid entries, or summed
+    # sample weights.
+    counts_differ = any(
+        r.mask is not None
         or (name == "mean_with_sample_weight" and r.sample_weight is not None)
-    ]
-    if not counted:
-        return None
-    where = (
-        f"{len(reductions)} losses, masked or weighted"
-        if len(reductions) > 1
-        else "a masked loss"
-        if reductions[0].mask is not None
-        else "reduction='mean_with_sample_weight' with sample weights"
+        for name, r in zip(names, reductions)
     )
+    if not counts_differ:
+        return None
     if len(reductions) > 1:
         return Cause(
             "loss_counts_per_output",
-            where,
+            f"{len(reductions)} losses, masked or weighted",
             "Each loss is divided by its own count (valid entries, summed "
             "sample weights), which one weight per micro-batch cannot "
             "honour: `weigh_micro_batches` refuses it. Use one loss, or "
@@ -192,6 +186,10 @@ def _loss_counts(setup):
         )
     if setup.weighs:
         return None
+    if reductions[0].mask is not None:
+        where = "a masked loss"
+    else:
+        where = "reduction='mean_with_sample_weight' with sample weights"
     return Cause(
         "unweighed_loss_counts",
         where,
