@@ -168,10 +168,16 @@ class ExactnessReport:
             lines.append(
                 f"  ... {len(hidden)} more variables, {drifting} drifting"
             )
+        shown_updates = _spread(self.updates, 5)
         lines.append(
-            f"  largest drift {max(self.drift, default=0.0):.1e}, "
-            f"round-off floor {max(self.floor, default=0.0):.1e}"
+            "  after update "
+            + "".join(f"{u:>9d}" for u in shown_updates)
         )
+        for name, values in (("drift", self.drift), ("floor", self.floor)):
+            lines.append(
+                f"  {name:<12} "
+                + "".join(f"{values[u - 1]:9.1e}" for u in shown_updates)
+            )
         verdict = (
             "exact: the drift is within the round-off floor"
             if self.exact
@@ -188,6 +194,14 @@ class ExactnessReport:
             lines.extend(_wrap(cause_line, "", "  "))
             lines.extend(_wrap(f"remedy: {cause.remedy}", "  ", "    "))
         return lines
+
+
+def _spread(updates, count):
+    """Up to `count` update numbers from 1 to `updates`, evenly spread."""
+    if updates <= count:
+        return list(range(1, updates + 1))
+    step = updates / (count - 1)
+    return sorted({1} | {round(i * step) for i in range(1, count)})
 
 
 def _drift_over_tolerance(variable):
