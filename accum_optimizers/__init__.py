@@ -8,12 +8,17 @@ exactly as their Keras parent would on a `k` times larger batch.
 
 import sys as _sys
 
-# `python -m accum_optimizers.demo` imports this package first: quiet
-# TensorFlow's start-up logs, and answer `--help` without importing Keras.
+# `python -m accum_optimizers.demo` (and `.check`) imports this package
+# first: quiet TensorFlow's start-up logs, and answer the demo's `--help`
+# without importing Keras.
 if _sys.orig_argv[1:3] == ["-m", "accum_optimizers.demo"]:
     from accum_optimizers import _demo_cli
 
     _demo_cli.before_keras(_sys.orig_argv[3:])
+elif _sys.orig_argv[1:3] == ["-m", "accum_optimizers.check"]:
+    from accum_optimizers import _demo_cli
+
+    _demo_cli.quiet_tensorflow()
 
 from accum_optimizers import _keras_private  # noqa: E402
 
@@ -24,6 +29,7 @@ from accum_optimizers import _wrappers  # noqa: E402
 from accum_optimizers import optimizers as _optimizers  # noqa: E402
 from accum_optimizers.callbacks import AccumulationLogger  # noqa: E402
 from accum_optimizers.callbacks import FlushAccumulation  # noqa: E402
+from accum_optimizers.check import check_exactness  # noqa: E402
 from accum_optimizers.layers import AccumBatchNormalization  # noqa: E402
 from accum_optimizers.memory_fit import MicroBatchPlan  # noqa: E402
 from accum_optimizers.memory_fit import fit_to_memory  # noqa: E402
@@ -74,6 +80,7 @@ __all__ = [
     "RMSpropAccumulate",
     "SGDAccumulate",
     "accumulating",
+    "check_exactness",
     "fit_to_memory",
     "load_training_state",
     "plan_micro_batch",

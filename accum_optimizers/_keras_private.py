@@ -64,6 +64,12 @@ Trainer internals used by `fit_to_memory` (`memory_fit.py`):
 `_symbolic_build` and JAX's `_jax_state` / `_jax_state_synced` (see
 `symbolic_build` and the functions after it).
 
+Used by `check_exactness` (`check/`): Keras' global `SeedGenerator` in
+`global_state` (`global_seed_generator_state`), `Functional` and
+`functional_like_constructor` (`is_functional`), and the unserialized
+arguments of `compile` in `Trainer._compile_config`
+(`compiled_loss_weights`).
+
 Versions: `check_keras_version` refuses a Keras older than 3.10 (3.9 lacks
 `keras.Variable(synchronization=...)`), Keras 2, and `tf.keras` routed to
 Keras 2 by `TF_USE_LEGACY_KERAS`. Optimizers Keras added after 3.10 are in
@@ -467,3 +473,59 @@ def forget_jax_state(model):
     if hasattr(model, "_jax_state"):
         model._jax_state = None
         model._jax_state_synced = True
+
+
+# -- Global random state (`check_exactness`, check/_runs.py) -------------------
+#
+# `keras.random` functions called without a `seed` draw from one global
+# `SeedGenerator`, kept in Keras' global state under
+# "global_seed_generator" (made on first use, dropped by `clear_session` and
+# `set_random_seed`). The check builds models, which draws from it; it puts
+# the generator and its state back afterwards.
+
+GLOBAL_SEED_GENERATOR = "global_seed_generator"
+
+
+def global_seed_generator_state():
+    """`(generator, state)`: Keras' global `SeedGenerator` (or `None`) and a
+    numpy copy of its state (or `None`)."""
+    from keras.src.backend.common import global_state
+
+    generator = global_state.get_global_attribute(GLOBAL_SEED_GENERATOR)
+    if generator is None:
+        return None, None
+    return generator, keras.ops.convert_to_numpy(generator.state.value).copy()
+
+
+def restore_global_seed_generator(saved):
+    """Puts back what `global_seed_generator_state` returned."""
+    from keras.src.backend.common import global_state
+
+    generator, state = saved
+    global_state.set_global_attribute(GLOBAL_SEED_GENERATOR, generator)
+    if generator is not None:
+        generator.state.assign(state)
+
+
+def is_functional(model):
+    """Whether `model` is a Functional model (`keras.Model(inputs,
+    outputs)`, or a subclass of it whose constructor takes those
+    arguments), which `keras.models.clone_model` rebuilds layer by layer
+    as its own class."""
+    from keras.src.models.functional import Functional
+    from keras.src.models.functional import functional_like_constructor
+
+    return isinstance(model, Functional) and functional_like_constructor(
+        type(model)
+    )
+
+
+def compiled_loss_weights(model):
+    """The `loss_weights` argument `model` was compiled with (or `None`),
+    as given: `Trainer._compile_config.config` holds `compile`'s arguments
+    unserialized (`get_compile_config` serializes them all, and fails on a
+    lambda loss)."""
+    compile_config = getattr(model, "_compile_config", None)
+    if compile_config is None:
+        return None
+    return compile_config.config.get("loss_weights")

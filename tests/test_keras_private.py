@@ -468,3 +468,47 @@ def test_jax_fit_puts_the_state_it_holds_back_when_a_step_fails():
         model.fit(x, x[:, :1], callbacks=[SetAndFail()], verbose=0)
     assert seen == [True]
     np.testing.assert_array_equal(model.layers[0].kernel.numpy(), kernel)
+
+
+def test_global_seed_generator_state_is_put_back():
+    keras.utils.set_random_seed(3)
+    keras.random.normal((2,))  # makes the global generator
+    saved = _keras_private.global_seed_generator_state()
+    first = keras.ops.convert_to_numpy(keras.random.normal((2,)))
+    _keras_private.restore_global_seed_generator(saved)
+    again = keras.ops.convert_to_numpy(keras.random.normal((2,)))
+    np.testing.assert_array_equal(again, first)
+    keras.utils.set_random_seed(3)  # drops the generator
+    none = _keras_private.global_seed_generator_state()
+    assert none == (None, None)
+    keras.random.normal((2,))
+    _keras_private.restore_global_seed_generator(none)
+    assert _keras_private.global_seed_generator_state() == (None, None)
+
+
+def test_is_functional_where_clone_model_keeps_the_class():
+    class Like(keras.Model):
+        pass
+
+    class Other(keras.Model):
+        def __init__(self, width):
+            inputs = keras.Input((2,))
+            super().__init__(inputs, keras.layers.Dense(width)(inputs))
+
+    inputs = keras.Input((2,))
+    outputs = keras.layers.Dense(1)(inputs)
+    functional = keras.Model(inputs, outputs)
+    like = Like(inputs, outputs)
+    assert _keras_private.is_functional(functional)
+    assert _keras_private.is_functional(like)
+    assert type(keras.models.clone_model(like)) is Like
+    assert not _keras_private.is_functional(Other(1))
+    assert not _keras_private.is_functional(keras.Sequential([inputs]))
+
+
+def test_compiled_loss_weights_are_compiles_argument():
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, [keras.layers.Dense(1)(inputs)] * 2)
+    assert _keras_private.compiled_loss_weights(model) is None
+    model.compile(loss=["mse", "mae"], loss_weights=[1.0, 0.5])
+    assert _keras_private.compiled_loss_weights(model) == [1.0, 0.5]
