@@ -41,8 +41,8 @@ def _state(optimizer):
     "bad_loss", [np.ones(2, "float32"), "abc"], ids=["vector", "string"]
 )
 def test_a_bad_loss_raises_naming_it_and_changes_nothing(mode, bad_loss):
-    if mode == "jit" and isinstance(bad_loss, str):
-        pytest.skip("jax.jit refuses a string argument itself")
+    if mode != "eager" and isinstance(bad_loss, str):
+        pytest.skip("a compiled function refuses a string argument itself")
     variable = keras.Variable(np.ones(3, "float32"))
     optimizer = SGDAccumulate(1.0, accum_iters=2)
     step = applier(optimizer, [variable], mode)
