@@ -1,0 +1,150 @@
+"""A fit-level differential fuzzer (issue 32): hypothesis draws whole
+training runs, where features meet (schedules, weighted and uneven
+micro-batches, sample weights, flushes, skipped non-finite micro-batches,
+mixed precision, `steps_per_execution`, the logger, a resume mid-epoch,
+execution modes), and each ends where the parent Keras optimizer fed the
+same big batches ends: its weights, `iterations`, `samples_seen`,
+`window_loss`, `skipped_micro_batches` (`fuzz_runs.py` has the oracle).
+
+Examples per backend follow `HYPOTHESIS_PROFILE`: a few, derandomized, in
+CI; `HYPOTHESIS_PROFILE=thorough` runs hundreds:
+
+    HYPOTHESIS_PROFILE=thorough KERAS_BACKEND=jax \
+        python -m pytest tests/test_fit_fuzzer.py -q
+"""
+
+import os
+
+import keras
+import pytest
+from fuzz_runs import MemoryRun
+from fuzz_runs import Run
+from fuzz_runs import assert_same_run
+from fuzz_runs import initial_weights
+from fuzz_runs import train_ours
+from fuzz_runs import train_ours_to_memory
+from fuzz_runs import train_parent
+from fuzz_runs import train_parent_to_memory
+from hypothesis import example
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+from test_fit_to_memory import Injector
+
+BACKEND = keras.backend.backend()
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+# FUZZ_EXAMPLES overrides the profile's count for a local hunt.
+EXAMPLES = int(
+    os.environ.get("FUZZ_EXAMPLES", {"ci": 10, "compat": 3}.get(PROFILE, 200))
+)
+
+
+@st.composite
+def runs(draw):
+    micro_batch = draw(st.integers(2, 4))
+    micro_batches = draw(st.integers(3, 9))
+    samples = micro_batch * micro_batches - draw(st.integers(0, micro_batch - 1))
+    weighted = draw(st.booleans())
+    run = Run(
+        optimizer=draw(st.sampled_from(["adam", "sgd", "rmsprop"])),
+        clipnorm=draw(st.sampled_from([None, None, 0.5])),
+        weight_decay=draw(st.sampled_from([None, None, 0.05])),
+        micro_batch=micro_batch,
+        samples=samples,
+        weighted=weighted,
+        sample_weight=draw(st.booleans()),
+        flush=draw(st.booleans()),
+        policy=draw(
+            st.sampled_from(["float32"] * 4 + ["mixed_float16", "mixed_bfloat16"])
+        ),
+        # torch refuses steps_per_execution > 1
+        steps_per_execution=1
+        if BACKEND == "torch"
+        else draw(st.sampled_from([1, 1, 2, 4])),
+        logger=draw(st.booleans()),
+    )
+    run.accum = draw(
+        st.one_of(
+            st.integers(1, 4),
+            st.just({0: 2, 2: 3}),
+            st.just({0: 1, 1: 3, 3: 2}),
+            st.just(("samples", {0: 2, 4 * micro_batch if weighted else 4: 3})),
+        )
+    )
+    if run.sample_weight and draw(st.booleans()):
+        run.reduction = "mean_with_sample_weight"
+    run.skip = draw(st.booleans())
+    if run.skip or run.loss_scaled:
+        run.bad = tuple(
+            draw(st.sets(st.integers(0, micro_batches - 1), max_size=2))
+        )
+    resume = draw(st.sampled_from([None, None, "keras", "weights"]))
+    if resume is not None:
+        run.resume = resume
+        run.resume_at = draw(st.integers(1, micro_batches - 1))
+    else:
+        run.epochs = draw(st.integers(1, 2))
+    if BACKEND == "torch":
+        run.jit_compile = False  # torch.compile: slow, and refused weighted
+    else:
+        run.jit_compile = draw(st.sampled_from([True, False, "auto"]))
+        run.run_eagerly = draw(st.sampled_from([False, False, False, True]))
+    return run
+
+
+def check(run, tmp_path):
+    initial = initial_weights(run)
+    ours = train_ours(run, tmp_path)
+    parent = train_parent(run)
+    assert_same_run(run, ours, parent, initial)
+
+
+@settings(max_examples=EXAMPLES)
+@given(run=runs())
+def test_a_drawn_fit_ends_where_the_parent_on_the_big_batches_ends(
+    run, tmp_path_factory
+):
+    check(run, tmp_path_factory.mktemp("run"))
+
+
+# -- fit_to_memory with injected out-of-memory errors --------------------------
+
+
+@st.composite
+def memory_runs(draw):
+    target = draw(st.integers(3, 10))
+    run = MemoryRun(
+        optimizer=draw(st.sampled_from(["adam", "sgd", "rmsprop"])),
+        target=target,
+        samples=target * draw(st.integers(1, 3)) + draw(st.integers(0, target - 1)),
+        epochs=draw(st.integers(1, 2)),
+        sample_weight=draw(st.booleans()),
+        logger=draw(st.booleans()),
+    )
+    rules = []
+    if draw(st.booleans()):  # planned by probes, which fail above a size
+        run.micro_batch = None
+        rules.append((0, draw(st.integers(1, target - 1))))
+    else:
+        run.micro_batch = draw(st.integers(1, target - 1))
+    for _ in range(draw(st.integers(0, 2))):  # out of memory mid-training
+        rules.append((draw(st.integers(0, 12)), draw(st.integers(1, 4))))
+    run.rules = tuple(rules)
+    # The injector's `tf.py_function` does not compile under XLA; torch's
+    # jit_compile is torch.compile, refused with weighted windows.
+    run.jit_compile = (
+        draw(st.sampled_from([True, False])) if BACKEND == "jax" else False
+    )
+    return run
+
+
+@settings(max_examples=EXAMPLES)
+@given(run=memory_runs())
+def test_fit_to_memory_with_drawn_out_of_memory_errors_ends_at_the_parent(run):
+    initial = initial_weights(Run())
+    ours = train_ours_to_memory(run, Injector)
+    parent = train_parent_to_memory(run)
+    assert_same_run(run, ours, parent, initial)
+    plan = ours["plan"]
+    sizes = [plan.micro_batch_size] + [new for *_, new in plan.recoveries]
+    assert all(1 <= size <= run.target for size in sizes)
