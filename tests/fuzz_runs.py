@@ -324,10 +324,11 @@ def train_parent(run):
     }
 
 
-def assert_same_run(run, ours, parent, initial):
+def assert_same_run(run, ours, parent, initial, unchecked=()):
     """Counters exactly (samples to float32), weights and the window loss
     to round-off: float32 round-off relative to how far training moved the
-    weights, a few 16-bit units under the mixed policies."""
+    weights, a few 16-bit units under the mixed policies. `unchecked`
+    names checks left out (`"window_loss"`, `"logger"`): a known hole."""
     sixteen = run.policy != "float32"
     assert ours["iterations"] == parent["iterations"], "iterations"
     assert ours["skipped"] == parent["skipped"], "skipped_micro_batches"
@@ -335,13 +336,14 @@ def assert_same_run(run, ours, parent, initial):
         ours["samples_seen"], parent["samples_seen"], rtol=1e-6, err_msg="samples_seen"
     )
     loss_rtol = 3e-2 if sixteen else 1e-4
-    np.testing.assert_allclose(
-        ours["window_loss"],
-        parent["window_loss"],
-        rtol=loss_rtol,
-        atol=1e-6,
-        err_msg="window_loss",
-    )
+    if "window_loss" not in unchecked:
+        np.testing.assert_allclose(
+            ours["window_loss"],
+            parent["window_loss"],
+            rtol=loss_rtol,
+            atol=1e-6,
+            err_msg="window_loss",
+        )
     move_rtol = 5e-2 if sixteen else 1e-3
     for n, (a, e, start) in enumerate(
         zip(ours["weights"], parent["weights"], initial)
@@ -351,7 +353,7 @@ def assert_same_run(run, ours, parent, initial):
         assert off <= move_rtol * moved + 2e-6, (
             f"weight {n}: {off:.3g} from the parent's, which moved {moved:.3g}"
         )
-    if run.logger:
+    if run.logger and "logger" not in unchecked:
         # `fit_to_memory` starts a new `fit` after each recovery, and the
         # logger's `windows` start again there: they end with the last ones.
         updates = [u for u, _ in ours["logged"]]
@@ -359,7 +361,7 @@ def assert_same_run(run, ours, parent, initial):
         assert updates == list(range(first, parent["iterations"] + 1)), (
             f"AccumulationLogger recorded updates {updates}"
         )
-        if not run.plain:
+        if not run.plain and "window_loss" not in unchecked:
             np.testing.assert_allclose(
                 [loss for _, loss in ours["logged"]],
                 parent["losses"][first - 1 :],

@@ -25,8 +25,8 @@ from fuzz_runs import train_ours
 from fuzz_runs import train_ours_to_memory
 from fuzz_runs import train_parent
 from fuzz_runs import train_parent_to_memory
-from hypothesis import example
 from hypothesis import given
+from hypothesis import note
 from hypothesis import settings
 from hypothesis import strategies as st
 from test_fit_to_memory import Injector
@@ -92,11 +92,34 @@ def runs(draw):
     return run
 
 
+# Holes found and not fixed yet: (the runs it spoils, the checks left out
+# on them, what is wrong). Each is pinned by a strict xfail test below:
+# whoever fixes one removes its entry here and the mark there.
+KNOWN_HOLES = [
+    (
+        lambda run: run.logger and run.steps_per_execution > 1,
+        {"logger"},
+        "AccumulationLogger under steps_per_execution records only the "
+        "updates that end an execution",
+    ),
+    (
+        lambda run: BACKEND == "jax" and run.policy == "mixed_float16",
+        {"window_loss"},
+        "window_loss is NaN under mixed_float16 on JAX",
+    ),
+]
+
+
 def check(run, tmp_path):
+    unchecked = set()
+    for spoils, checks, why in KNOWN_HOLES:
+        if spoils(run):
+            note(f"known hole, not checked: {why}")
+            unchecked |= checks
     initial = initial_weights(run)
     ours = train_ours(run, tmp_path)
     parent = train_parent(run)
-    assert_same_run(run, ours, parent, initial)
+    assert_same_run(run, ours, parent, initial, unchecked)
 
 
 @settings(max_examples=EXAMPLES)
@@ -148,3 +171,40 @@ def test_fit_to_memory_with_drawn_out_of_memory_errors_ends_at_the_parent(run):
     plan = ours["plan"]
     sizes = [plan.micro_batch_size] + [new for *_, new in plan.recoveries]
     assert all(1 <= size <= run.target for size in sizes)
+
+
+# -- The holes, pinned: minimal runs the fuzzer found ---------------------------
+
+
+def _hole(reason):
+    return pytest.mark.xfail(strict=True, reason=f"hole: {reason}")
+
+
+@pytest.mark.backends("tensorflow", "jax")  # torch: steps_per_execution=1
+@_hole(KNOWN_HOLES[0][2])
+def test_the_logger_records_every_update_under_steps_per_execution(tmp_path):
+    # 4 micro-batches, windows of 2, one execution: updates 1 and 2;
+    # the logger records [2].
+    check(Run(accum=2, samples=16, steps_per_execution=4, logger=True), tmp_path)
+
+
+@pytest.mark.backends("jax")
+@_hole(KNOWN_HOLES[1][2])
+def test_window_loss_under_mixed_float16_on_jax(tmp_path):
+    # The parent's loss on the last window: 2.20; ours: NaN.
+    run = Run(accum=2, samples=8, micro_batch=2, policy="mixed_float16")
+    initial = initial_weights(run)
+    assert_same_run(run, train_ours(run, tmp_path), train_parent(run), initial)
+
+
+@_hole(
+    "samples_seen counts micro-batches while fit_to_memory's window is one "
+    "micro-batch (accum_iters=1), then samples after a recovery"
+)
+def test_fit_to_memory_counts_samples_when_a_window_is_one_micro_batch():
+    # Target 4 at micro-batch 4 (accum_iters=1), out of memory at the
+    # second step: samples_seen ends at 8 (JAX) of the 12 samples applied.
+    run = MemoryRun(target=4, micro_batch=4, samples=12, rules=((1, 2),))
+    ours = train_ours_to_memory(run, Injector)
+    assert ours["plan"].recoveries == [(0, 4, 4, 2)]
+    assert ours["samples_seen"] == 12.0
