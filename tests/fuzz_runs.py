@@ -77,8 +77,11 @@ class Run:
     policy: str = "float32"
     steps_per_execution: int = 1
     logger: bool = False
-    resume: Optional[str] = None  # None, "keras" or "weights"
-    resume_at: int = 1  # micro-batches trained before saving
+    # None, or how training continues after `resume_at` micro-batches:
+    # "keras" or "weights" (saved, loaded), "continue" (a second `fit`).
+    resume: Optional[str] = None
+    resume_at: int = 1
+    accum_after: Optional[int] = None  # `accum_iters` set at the split
     jit_compile: object = "auto"
     run_eagerly: bool = False
 
@@ -93,7 +96,9 @@ class Run:
     @property
     def plain(self):
         """`accum_iters=1` without skipping: the parent itself, no window."""
-        return self.accum == 1 and not self.skip
+        return (
+            self.accum == 1 and not self.skip and self.accum_after in (None, 1)
+        )
 
 
 def data(run):
@@ -214,7 +219,10 @@ def train_ours(run, tmp_path):
     else:
         split = run.resume_at * run.micro_batch
         fit(model, 0, split, flush=False)  # a flush would end the window
-        model = _resumed(run, model, tmp_path)
+        if run.resume != "continue":
+            model = _resumed(run, model, tmp_path)
+        if run.accum_after is not None:
+            accumulating(model).accum_iters = run.accum_after
         fit(model, split, run.samples, run.flush)
     optimizer = accumulating(model)
     return {
@@ -261,7 +269,10 @@ def expected_windows(run):
                 skipped += 0 if run.loss_scaled else 1
                 continue
             pending.append(j)
-            if len(pending) >= window_size(run, updates, samples):
+            size = window_size(run, updates, samples)
+            if run.accum_after is not None and j >= run.resume_at:
+                size = run.accum_after
+            if len(pending) >= size:
                 close()
         if run.flush and pending:
             close()
