@@ -89,9 +89,7 @@ class Fault:
                 self.check()
                 return np.zeros((), "float32")
 
-            zero = jax.pure_callback(
-                check, jax.ShapeDtypeStruct((), "float32")
-            )
+            zero = jax.pure_callback(check, jax.ShapeDtypeStruct((), "float32"))
             return tensor + keras.ops.cast(zero, tensor.dtype)
         self.check()
         return tensor
@@ -177,8 +175,9 @@ class FailingCallback(keras.callbacks.Callback):
 
 @contextlib.contextmanager
 def patch_parent_update_step(parent_class, fault):
-    """With a `fault` (`None`: no patch), the parent Keras class's update (`parent_class`, a public Keras
-    optimizer class, the parent of ours) taps each variable's gradient:
+    """With a `fault` (`None`: no patch), the update of `parent_class` (a
+    public Keras optimizer class, the parent of ours) taps each variable's
+    gradient:
     each variable's update in a window's close is one pass, in variable
     order. On TensorFlow and JAX that is `update_step`; on torch, Keras
     runs the fused `_parallel_update_step` of its torch twin of the class
@@ -256,6 +255,8 @@ def differences(actual, expected):
     changed += [
         path
         for path, value in expected["optimizer"].items()
-        if not np.array_equal(actual["optimizer"].get(path), value, equal_nan=True)
+        if not np.array_equal(
+            actual["optimizer"].get(path), value, equal_nan=True
+        )
     ]
     return changed

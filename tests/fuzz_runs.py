@@ -209,7 +209,9 @@ def train_ours(run, tmp_path):
                 verbose=0,
                 callbacks=callbacks,
             )
-        for record in zip(logger.windows["updates"], logger.windows["window_loss"]):
+        for record in zip(
+            logger.windows["updates"], logger.windows["window_loss"]
+        ):
             # A resumed run's logger sees the loaded last update again.
             if not windows or record[0] != windows[-1][0]:
                 windows.append(record)
@@ -259,7 +261,9 @@ def expected_windows(run):
         nonlocal pending, updates, samples
         windows.append(pending)
         updates += 1
-        samples += sum(counts[j] for j in pending) if run.weighted else len(pending)
+        samples += (
+            sum(counts[j] for j in pending) if run.weighted else len(pending)
+        )
         pending = []
 
     for _ in range(run.epochs):
@@ -280,7 +284,9 @@ def expected_windows(run):
 
 
 def _rows(run, j):
-    return np.arange(j * run.micro_batch, min((j + 1) * run.micro_batch, run.samples))
+    return np.arange(
+        j * run.micro_batch, min((j + 1) * run.micro_batch, run.samples)
+    )
 
 
 def _count(run, w, j):
@@ -322,7 +328,9 @@ def train_parent(run):
             ]
         )
         loss = model.train_on_batch(
-            x[rows], y[rows], sample_weight=(coefficient * len(rows)).astype("float32")
+            x[rows],
+            y[rows],
+            sample_weight=(coefficient * len(rows)).astype("float32"),
         )
         losses.append(float(np.ravel(loss)[0]))
     return {
@@ -344,7 +352,10 @@ def assert_same_run(run, ours, parent, initial, unchecked=()):
     assert ours["iterations"] == parent["iterations"], "iterations"
     assert ours["skipped"] == parent["skipped"], "skipped_micro_batches"
     np.testing.assert_allclose(
-        ours["samples_seen"], parent["samples_seen"], rtol=1e-6, err_msg="samples_seen"
+        ours["samples_seen"],
+        parent["samples_seen"],
+        rtol=1e-6,
+        err_msg="samples_seen",
     )
     loss_rtol = 3e-2 if sixteen else 1e-4
     if "window_loss" not in unchecked:
@@ -447,7 +458,9 @@ def train_parent_to_memory(run):
     x, y, w = data(Run(samples=run.samples, sample_weight=run.sample_weight))
     _, parent_cls, options = _options(Run(optimizer=run.optimizer))
     model = _model()
-    model.compile(optimizer=parent_cls(**options), loss="mse", jit_compile=False)
+    model.compile(
+        optimizer=parent_cls(**options), loss="mse", jit_compile=False
+    )
     losses = []
     for _ in range(run.epochs):
         for start in range(0, run.samples, run.target):

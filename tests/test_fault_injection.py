@@ -34,9 +34,9 @@ from faults import patch_parent_update_step
 from faults import state_of
 from faults import tap_supported
 from fuzz_runs import MemoryRun
+from fuzz_runs import Run
 from fuzz_runs import assert_same_run
 from fuzz_runs import data
-from fuzz_runs import Run
 from fuzz_runs import train_parent_to_memory
 
 import accum_optimizers as ao
@@ -92,8 +92,10 @@ HOLES = {
     "step": {
         **{
             (mode, "update", at): (_UPDATE_WRITES, True)
-            for mode in {"torch": ["eager"], "tensorflow": ["eager", "graph"]}
-            .get(BACKEND, [])
+            for mode in {
+                "torch": ["eager"],
+                "tensorflow": ["eager", "graph"],
+            }.get(BACKEND, [])
             for at in (1, 4)
         },
         **{
@@ -105,14 +107,17 @@ HOLES = {
     "memory": {
         **{
             (mode, "update", at): (_MEMORY_UPDATE, True)
-            for mode in {"torch": ["eager"], "tensorflow": ["eager", "graph"]}
-            .get(BACKEND, [])
+            for mode in {
+                "torch": ["eager"],
+                "tensorflow": ["eager", "graph"],
+            }.get(BACKEND, [])
             for at in (0, 1, 4)
         },
-        **{
-            ("graph", "backward", 1): (_MEMORY_GRAPH_BACKWARD, False)
-            for _ in ([1] if BACKEND == "tensorflow" else [])
-        },
+        **(
+            {("graph", "backward", 1): (_MEMORY_GRAPH_BACKWARD, False)}
+            if BACKEND == "tensorflow"
+            else {}
+        ),
     },
 }
 
@@ -345,7 +350,7 @@ def test_an_out_of_memory_recovery_is_invisible_with_skip_nonfinite():
     )
 
 
-# -- A call with a bad argument -------------------------------------------------
+# -- A call with a bad argument ----------------------------------------------
 
 BAD_ARGUMENTS = {
     "loss=str": {"loss": "high"},
@@ -370,9 +375,14 @@ def test_a_call_with_a_bad_argument_raises_and_changes_nothing(bad, request):
     optimizer.build(variables)
     grads = [keras.ops.ones(3)]
     optimizer.apply(grads, variables, weight=2.0, loss=1.0)
-    before = {v.path: np.array(keras.ops.convert_to_numpy(v.value)) for v in optimizer.variables}
+    before = {
+        v.path: np.array(keras.ops.convert_to_numpy(v.value))
+        for v in optimizer.variables
+    }
     with pytest.raises((TypeError, ValueError)):
-        optimizer.apply(grads, variables, **dict({"weight": 2.0}, **BAD_ARGUMENTS[bad]))
+        optimizer.apply(
+            grads, variables, **dict({"weight": 2.0}, **BAD_ARGUMENTS[bad])
+        )
     changed = [
         v.path
         for v in optimizer.variables

@@ -43,7 +43,9 @@ EXAMPLES = int(
 def runs(draw):
     micro_batch = draw(st.integers(2, 4))
     micro_batches = draw(st.integers(3, 9))
-    samples = micro_batch * micro_batches - draw(st.integers(0, micro_batch - 1))
+    samples = micro_batch * micro_batches - draw(
+        st.integers(0, micro_batch - 1)
+    )
     weighted = draw(st.booleans())
     run = Run(
         optimizer=draw(st.sampled_from(["adam", "sgd", "rmsprop"])),
@@ -55,7 +57,9 @@ def runs(draw):
         sample_weight=draw(st.booleans()),
         flush=draw(st.booleans()),
         policy=draw(
-            st.sampled_from(["float32"] * 4 + ["mixed_float16", "mixed_bfloat16"])
+            st.sampled_from(
+                ["float32"] * 4 + ["mixed_float16", "mixed_bfloat16"]
+            )
         ),
         # torch refuses steps_per_execution > 1
         steps_per_execution=1
@@ -105,9 +109,9 @@ KNOWN_HOLES = [
         "updates that end an execution",
     ),
     (
-        lambda run: run.accum == 1
-        and not run.skip
-        and (run.accum_after or 1) > 1,
+        lambda run: (
+            run.accum == 1 and not run.skip and (run.accum_after or 1) > 1
+        ),
         {"all"},
         "accum_iters raised on an optimizer built with accum_iters=1 fails "
         "with AttributeError (no window state) instead of a clear error",
@@ -151,7 +155,8 @@ def memory_runs(draw):
     run = MemoryRun(
         optimizer=draw(st.sampled_from(["adam", "sgd", "rmsprop"])),
         target=target,
-        samples=target * draw(st.integers(1, 3)) + draw(st.integers(0, target - 1)),
+        samples=target * draw(st.integers(1, 3))
+        + draw(st.integers(0, target - 1)),
         epochs=draw(st.integers(1, 2)),
         sample_weight=draw(st.booleans()),
         logger=draw(st.booleans()),
@@ -185,7 +190,7 @@ def test_fit_to_memory_with_drawn_out_of_memory_errors_ends_at_the_parent(run):
     assert all(1 <= size <= run.target for size in sizes)
 
 
-# -- The holes, pinned: minimal runs the fuzzer found ---------------------------
+# -- The holes, pinned: minimal runs the fuzzer found ------------------------
 
 
 def _hole(reason):
@@ -197,7 +202,9 @@ def _hole(reason):
 def test_the_logger_records_every_update_under_steps_per_execution(tmp_path):
     # 4 micro-batches, windows of 2, one execution: updates 1 and 2;
     # the logger records [2].
-    check(Run(accum=2, samples=16, steps_per_execution=4, logger=True), tmp_path)
+    check(
+        Run(accum=2, samples=16, steps_per_execution=4, logger=True), tmp_path
+    )
 
 
 @_hole(KNOWN_HOLES[1][2])
