@@ -1,0 +1,446 @@
+"""Fault injection (issue 32): an error raised at each point of a `fit`
+micro-step and of a `fit_to_memory` step, in every execution mode of the
+backend, must leave a state the contract allows (DESIGN.md 2.7, 2.12):
+
+- in `fit`, the error propagates, naming what happened, and the model's
+  weights and the optimizer's variables are those after the last step that
+  succeeded (a snapshot taken by a callback after each step);
+- in `fit_to_memory`, the backend's out-of-memory error inside a step is
+  recovered from and training ends exactly where the parent Keras
+  optimizer at the target batch ends; outside a step (a callback) it
+  propagates with the state of the last step.
+
+The points (`faults.py`): the data (a `PyDataset` raising at batch i), the
+forward pass (a layer), the backward pass (a custom gradient), the parent's
+update in a window's close (the public Keras parent class's `update_step`,
+patched) and a callback. The errors are raised while the step runs, from
+inside compiled code where the mode has it (`tf.py_function`,
+`jax.pure_callback`); TensorFlow's XLA runs no Python, so there only the
+data and callback points are injected.
+"""
+
+import keras
+import numpy as np
+import pytest
+from faults import MESSAGE
+from faults import FailingCallback
+from faults import FailingData
+from faults import Fault
+from faults import Snapshot
+from faults import differences
+from faults import model_with
+from faults import out_of_memory_error
+from faults import patch_parent_update_step
+from faults import state_of
+from faults import tap_supported
+from fuzz_runs import MemoryRun
+from fuzz_runs import Run
+from fuzz_runs import assert_same_run
+from fuzz_runs import data
+from fuzz_runs import train_parent_to_memory
+
+import accum_optimizers as ao
+
+BACKEND = keras.backend.backend()
+MODES = {
+    "tensorflow": ["eager", "graph", "xla"],
+    "jax": ["eager", "jit"],
+    "torch": ["eager"],
+}[BACKEND]
+ACCUM_ITERS, MICRO_BATCH, SAMPLES = 3, 2, 16
+# (point, at): the pass of that point that fails. Micro-step 1 adds to a
+# pending window, micro-step 2 closes it; the parent's update runs once
+# per variable (4 of them) in each close: pass 1 is the first close's
+# second variable, pass 4 the second close's first.
+CASES = [
+    ("data", 2),
+    ("forward", 1),
+    ("forward", 2),
+    ("backward", 1),
+    ("backward", 2),
+    ("update", 1),
+    ("update", 4),
+    ("callback", 2),
+]
+
+
+# Holes found and not fixed yet, by (test, mode, point, at): the reason,
+# and whether the failure is certain (strict xfail) or depends on the order
+# TensorFlow's graph runs independent ops in. Whoever fixes one removes it.
+_UPDATE_WRITES = (
+    "an error inside the parent's update at a window's close leaves the "
+    "window's bookkeeping written (micro_steps, micro_batches_seen, total "
+    "weight, loss sum, window_loss, window_grad_norm, the sums; on "
+    "TensorFlow also the variables updated before it)"
+)
+_GRAPH_BACKWARD = (
+    "in a TensorFlow graph an error in the backward pass lets the counters "
+    "and the sums of the gradients already computed be written (which "
+    "ones depends on the graph's op order)"
+)
+_MEMORY_UPDATE = (
+    "fit_to_memory recovers from an out-of-memory error inside the "
+    "parent's update by re-running the micro-batch after the window's sums "
+    "and counters changed (samples_seen 24 of 20)"
+)
+_MEMORY_GRAPH_BACKWARD = (
+    "fit_to_memory recovers from an out-of-memory error in a TensorFlow "
+    "graph's backward pass after the window's counters changed "
+    "(samples_seen 24 of 20)"
+)
+HOLES = {
+    "step": {
+        **{
+            (mode, "update", at): (_UPDATE_WRITES, True)
+            for mode in {
+                "torch": ["eager"],
+                "tensorflow": ["eager", "graph"],
+            }.get(BACKEND, [])
+            for at in (1, 4)
+        },
+        **{
+            (mode, "backward", at): (_GRAPH_BACKWARD, False)
+            for mode in (["graph"] if BACKEND == "tensorflow" else [])
+            for at in (1, 2)
+        },
+    },
+    "memory": {
+        **{
+            (mode, "update", at): (_MEMORY_UPDATE, True)
+            for mode in {
+                "torch": ["eager"],
+                "tensorflow": ["eager", "graph"],
+            }.get(BACKEND, [])
+            for at in (0, 1, 4)
+        },
+        **(
+            {("graph", "backward", 1): (_MEMORY_GRAPH_BACKWARD, False)}
+            if BACKEND == "tensorflow"
+            else {}
+        ),
+    },
+}
+
+
+def _mark_known_hole(request, test, key):
+    if key in HOLES[test]:
+        reason, certain = HOLES[test][key]
+        request.node.add_marker(
+            pytest.mark.xfail(strict=certain, reason=f"hole: {reason}")
+        )
+
+
+def _compile(model, optimizer, mode, **kwargs):
+    model.compile(
+        optimizer=optimizer,
+        loss="mse",
+        run_eagerly=mode == "eager" and BACKEND != "torch",
+        jit_compile=mode in ("xla", "jit"),
+        **kwargs,
+    )
+    return model
+
+
+def _inner(model):
+    return getattr(model.optimizer, "inner_optimizer", model.optimizer)
+
+
+def _error_text(error):
+    texts = []
+    while error is not None:
+        texts.append(str(error))
+        error = error.__cause__ or error.__context__
+    return "\n".join(texts)
+
+
+def _train_with_fault(point, at, mode, make_error):
+    fault = Fault(make_error, at=at)
+    model = model_with(
+        forward=fault if point == "forward" else None,
+        backward=fault if point == "backward" else None,
+    )
+    optimizer = ao.AdamAccumulate(learning_rate=0.05, accum_iters=ACCUM_ITERS)
+    _compile(model, optimizer, mode)
+    x, y, _ = data(Run(samples=SAMPLES))
+    snapshot = Snapshot(_inner)
+    snapshot.take(model)  # a PyDataset may fail before training begins
+    callbacks = [snapshot]
+    if point == "callback":
+        callbacks.append(FailingCallback(fault))
+    dataset = FailingData(
+        x, y, MICRO_BATCH, fault if point == "data" else Fault()
+    )
+    with patch_parent_update_step(
+        keras.optimizers.Adam, fault if point == "update" else None
+    ):
+        with pytest.raises(Exception) as raised:
+            model.fit(dataset, epochs=1, verbose=0, callbacks=callbacks)
+    return fault, model, snapshot, raised.value
+
+
+@pytest.mark.parametrize("point,at", CASES)
+@pytest.mark.parametrize("mode", MODES)
+def test_an_error_in_a_micro_step_leaves_the_last_steps_state(
+    mode, point, at, request
+):
+    _mark_known_hole(request, "step", (mode, point, at))
+    if point in ("forward", "backward", "update") and not tap_supported(
+        mode == "xla"
+    ):
+        pytest.skip("XLA runs no Python inside the step")
+    fault, model, snapshot, error = _train_with_fault(
+        point, at, mode, lambda: RuntimeError(f"{MESSAGE}: RuntimeError")
+    )
+    assert fault.raised == 1
+    assert MESSAGE in _error_text(error), _error_text(error)
+    try:
+        after = state_of(model, _inner(model))
+    except RuntimeError as unreadable:
+        # Keras' JAX `fit` donates the state to the compiled step: a step
+        # that fails inside loses it, the parent's too (pinned below).
+        assert mode == "jit" and "deleted" in str(unreadable), unreadable
+        return
+    changed = differences(after, snapshot.state)
+    assert not changed, (
+        f"after {snapshot.steps} steps, the failing one changed {changed}"
+    )
+
+
+@pytest.mark.backends("jax")
+def test_keras_own_jax_fit_loses_the_state_of_a_failed_compiled_step():
+    # The reason JAX's compiled mode may end with the state unreadable:
+    # the parent Keras optimizer does the same. If Keras starts keeping it,
+    # require ours to keep it too (remove the exception above).
+    fault = Fault(at=2)
+    model = model_with(forward=fault)
+    _compile(model, keras.optimizers.Adam(0.05), "jit")
+    x, y, _ = data(Run(samples=SAMPLES))
+    with pytest.raises(Exception, match=MESSAGE):
+        model.fit(FailingData(x, y, MICRO_BATCH, Fault()), verbose=0)
+    with pytest.raises(RuntimeError, match="deleted"):
+        model.get_weights()
+
+
+# -- fit_to_memory: out of memory at each point of a step ----------------------
+
+MEMORY_RUN = MemoryRun(
+    optimizer="adam", target=8, micro_batch=4, samples=20, epochs=1
+)
+# Steps of 4 samples, windows of 2 steps: forward/backward pass 1 is the
+# first window's second (closing) step, 2 the second window's first; the
+# parent's update pass 1 is inside the first close, 4 the second close's
+# first variable.
+MEMORY_CASES = [
+    ("forward", 1),
+    ("forward", 2),
+    ("backward", 1),
+    ("update", 0),
+    ("update", 1),
+    ("update", 4),
+]
+# No Python runs inside XLA on TensorFlow; JAX raises a compiled step's
+# out-of-memory error before it runs, from the train function
+# (`test_fit_to_memory.Injector` injects it there), not from inside it.
+MEMORY_MODES = [m for m in MODES if m not in ("xla", "jit")]
+
+
+def _fit_to_memory_with_fault(point, at, mode, callbacks=()):
+    fault = Fault(out_of_memory_error, at=at)
+    model = model_with(
+        forward=fault if point == "forward" else None,
+        backward=fault if point == "backward" else None,
+    )
+    _compile(model, ao.AdamAccumulate(learning_rate=0.02), mode)
+    run = MEMORY_RUN
+    x, y, _ = data(Run(samples=run.samples))
+    with patch_parent_update_step(
+        keras.optimizers.Adam, fault if point == "update" else None
+    ):
+        history = ao.fit_to_memory(
+            model,
+            x,
+            y,
+            target_batch_size=run.target,
+            micro_batch_size=run.micro_batch,
+            shuffle=False,
+            verbose=0,
+            callbacks=list(callbacks),
+        )
+    return fault, model, history
+
+
+def _outcome(model):
+    optimizer = _inner(model)
+    value = lambda v: np.asarray(keras.ops.convert_to_numpy(v))  # noqa: E731
+    return {
+        "weights": model.get_weights(),
+        "iterations": int(value(optimizer.iterations)),
+        "skipped": int(value(optimizer.skipped_micro_batches)),
+        "samples_seen": float(value(optimizer.samples_seen)),
+        "window_loss": float(value(optimizer.window_loss)),
+        "logged": [],
+    }
+
+
+@pytest.mark.parametrize("point,at", MEMORY_CASES)
+@pytest.mark.parametrize("mode", MEMORY_MODES)
+def test_out_of_memory_in_a_step_is_recovered_to_the_parents_result(
+    mode, point, at, request
+):
+    _mark_known_hole(request, "memory", (mode, point, at))
+    fault, model, history = _fit_to_memory_with_fault(point, at, mode)
+    assert fault.raised == 1
+    assert [size for *_, size in history.plan.recoveries] == [2]
+    initial = model_with().get_weights()
+    parent = train_parent_to_memory(MEMORY_RUN)
+    assert_same_run(MEMORY_RUN, _outcome(model), parent, initial)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_out_of_memory_in_a_callback_ends_fit_to_memory_with_the_error(mode):
+    fault = Fault(out_of_memory_error, at=1)
+    snapshot = Snapshot(_inner)
+    with pytest.raises(Exception) as raised:
+        _, model, _ = _fit_to_memory_with_fault(
+            "none", None, mode, callbacks=[snapshot, FailingCallback(fault)]
+        )
+    assert MESSAGE in _error_text(raised.value)
+    model = snapshot.model
+    changed = differences(state_of(model, _inner(model)), snapshot.state)
+    assert not changed, changed
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="hole: with skip_nonfinite, a skipped micro-batch makes the "
+    "window spill past its target batch, and an out-of-memory recovery "
+    "recomputes the pending window's micro-steps from the sample position, "
+    "ignoring the spill: the recovery changes what is trained",
+)
+def test_an_out_of_memory_recovery_is_invisible_with_skip_nonfinite():
+    # The differential oracle: the same fit_to_memory run without the
+    # error. Sample 0 is NaN, so micro-batch 0 is skipped; the error comes
+    # at the next step (sample 4), mid-window. Weights differ by 2.7e-2.
+    from test_fit_to_memory import Injector
+
+    x, y, _ = data(Run(samples=24))
+    x[0, 0] = np.nan
+    ends = []
+    for rules in ([], [(1, 2)]):
+        model = model_with()
+        optimizer = ao.AdamAccumulate(0.01, skip_nonfinite=True)
+        _compile(model, optimizer, "eager" if BACKEND == "torch" else "graph")
+        Injector(model, rules)
+        ao.fit_to_memory(
+            model,
+            x,
+            y,
+            target_batch_size=12,
+            micro_batch_size=4,
+            shuffle=False,
+            verbose=0,
+        )
+        ends.append(_outcome(model))
+    assert int(ends[0]["skipped"]) == int(ends[1]["skipped"]) == 1
+    np.testing.assert_allclose(
+        np.concatenate([w.ravel() for w in ends[1]["weights"]]),
+        np.concatenate([w.ravel() for w in ends[0]["weights"]]),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+# -- A call with a bad argument ----------------------------------------------
+
+BAD_ARGUMENTS = {
+    "loss=str": {"loss": "high"},
+    "loss=vector": {"loss": np.ones(3, "float32")},
+    "weight=-1": {"weight": -1.0},
+    "weight=nan": {"weight": float("nan")},
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_ARGUMENTS))
+def test_a_call_with_a_bad_argument_raises_and_changes_nothing(bad, request):
+    if bad.startswith("loss"):
+        request.node.add_marker(
+            pytest.mark.xfail(
+                strict=True,
+                reason="hole: apply(..., loss=<bad>) raises after adding "
+                "the call's weight to the window's total weight",
+            )
+        )
+    variables = [keras.Variable(np.ones(3, "float32"))]
+    optimizer = ao.AdamAccumulate(0.1, accum_iters=3)
+    optimizer.build(variables)
+    grads = [keras.ops.ones(3)]
+    optimizer.apply(grads, variables, weight=2.0, loss=1.0)
+    before = {
+        v.path: np.array(keras.ops.convert_to_numpy(v.value))
+        for v in optimizer.variables
+    }
+    with pytest.raises((TypeError, ValueError)):
+        optimizer.apply(
+            grads, variables, **dict({"weight": 2.0}, **BAD_ARGUMENTS[bad])
+        )
+    changed = [
+        v.path
+        for v in optimizer.variables
+        if not np.array_equal(
+            keras.ops.convert_to_numpy(v.value), before[v.path], equal_nan=True
+        )
+    ]
+    assert not changed, changed
+
+
+# -- A negative normalizer at each micro-step of a window ---------------------
+
+
+@pytest.mark.parametrize("position", [0, 1, 2])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_negative_normalizer_anywhere_in_a_window_changes_no_weight(
+    mode, position, request
+):
+    if position == 2 and mode in ("jit", "xla"):
+        request.node.add_marker(
+            pytest.mark.xfail(
+                strict=True,
+                reason="hole: in compiled JAX and TensorFlow XLA code, a "
+                "negative normalizer in the micro-batch that closes the "
+                "window updates the weights (by the learning rate) before "
+                "TerminateOnNaN sees the NaN loss",
+            )
+        )
+    # Windows of 3 micro-batches of 4; the micro-batch at `position` of the
+    # first window has sample weights summing to -5 under
+    # `mean_with_sample_weight`. Eagerly the step is refused, naming the
+    # normalizer; compiled JAX and XLA code cannot raise: the loss is NaN
+    # and `TerminateOnNaN` stops training. Either way no weight moves.
+    x, y, _ = data(Run(samples=12))
+    weights = np.ones(12, "float32")
+    weights[4 * position : 4 * position + 3] = -2.0
+    model = model_with()
+    model.compile(
+        optimizer=ao.AdamAccumulate(0.05, accum_iters=3),
+        loss=keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"),
+        run_eagerly=mode == "eager" and BACKEND != "torch",
+        jit_compile=mode in ("xla", "jit"),
+    )
+    ao.weigh_micro_batches(model)
+    before = model.get_weights()
+    try:
+        model.fit(
+            x,
+            y,
+            sample_weight=weights,
+            batch_size=4,
+            shuffle=False,
+            verbose=0,
+            callbacks=[keras.callbacks.TerminateOnNaN()],
+        )
+    except Exception as error:
+        assert "normalizer" in _error_text(error)
+        if BACKEND == "jax":
+            return  # JAX's `fit` leaves no values after a failure
+    for a, b in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(a, b)

@@ -1,0 +1,262 @@
+"""A fit-level differential fuzzer (issue 32): hypothesis draws whole
+training runs, where features meet (schedules, weighted and uneven
+micro-batches, sample weights, flushes, skipped non-finite micro-batches,
+mixed precision, `steps_per_execution`, the logger, a resume mid-epoch,
+execution modes), and each ends where the parent Keras optimizer fed the
+same big batches ends: its weights, `iterations`, `samples_seen`,
+`window_loss`, `skipped_micro_batches` (`fuzz_runs.py` has the oracle).
+
+Examples per backend follow `HYPOTHESIS_PROFILE`: a few, derandomized, in
+CI; `HYPOTHESIS_PROFILE=thorough` runs hundreds:
+
+    HYPOTHESIS_PROFILE=thorough KERAS_BACKEND=jax \
+        python -m pytest tests/test_fit_fuzzer.py -q
+"""
+
+import os
+
+import keras
+import pytest
+from fuzz_runs import MemoryRun
+from fuzz_runs import Run
+from fuzz_runs import assert_same_run
+from fuzz_runs import initial_weights
+from fuzz_runs import train_ours
+from fuzz_runs import train_ours_to_memory
+from fuzz_runs import train_parent
+from fuzz_runs import train_parent_to_memory
+from hypothesis import given
+from hypothesis import note
+from hypothesis import settings
+from hypothesis import strategies as st
+from test_fit_to_memory import Injector
+
+BACKEND = keras.backend.backend()
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+# FUZZ_EXAMPLES overrides the profile's count for a local hunt.
+EXAMPLES = int(
+    os.environ.get("FUZZ_EXAMPLES", {"ci": 10, "compat": 3}.get(PROFILE, 200))
+)
+
+
+@st.composite
+def runs(draw):
+    micro_batch = draw(st.integers(2, 4))
+    micro_batches = draw(st.integers(3, 9))
+    samples = micro_batch * micro_batches - draw(
+        st.integers(0, micro_batch - 1)
+    )
+    weighted = draw(st.booleans())
+    run = Run(
+        optimizer=draw(st.sampled_from(["adam", "sgd", "rmsprop"])),
+        clipnorm=draw(st.sampled_from([None, None, 0.5])),
+        weight_decay=draw(st.sampled_from([None, None, 0.05])),
+        micro_batch=micro_batch,
+        samples=samples,
+        weighted=weighted,
+        sample_weight=draw(st.booleans()),
+        flush=draw(st.booleans()),
+        policy=draw(
+            st.sampled_from(
+                ["float32"] * 4 + ["mixed_float16", "mixed_bfloat16"]
+            )
+        ),
+        # torch refuses steps_per_execution > 1
+        steps_per_execution=1
+        if BACKEND == "torch"
+        else draw(st.sampled_from([1, 1, 2, 4])),
+        logger=draw(st.booleans()),
+    )
+    run.accum = draw(
+        st.one_of(
+            st.integers(1, 4),
+            st.just({0: 2, 2: 3}),
+            st.just({0: 1, 1: 3, 3: 2}),
+            st.just(("samples", {0: 2, 4 * micro_batch if weighted else 4: 3})),
+        )
+    )
+    if run.sample_weight and draw(st.booleans()):
+        run.reduction = "mean_with_sample_weight"
+    run.skip = draw(st.booleans())
+    if run.skip or run.loss_scaled:
+        run.bad = tuple(
+            draw(st.sets(st.integers(0, micro_batches - 1), max_size=2))
+        )
+    resume = draw(st.sampled_from([None, None, "keras", "weights", "continue"]))
+    if resume is not None:
+        run.resume = resume
+        run.resume_at = draw(st.integers(1, micro_batches - 1))
+        if isinstance(run.accum, int) and draw(st.booleans()):
+            run.accum_after = draw(st.integers(1, 4))
+    else:
+        run.epochs = draw(st.integers(1, 2))
+    if BACKEND == "torch":
+        run.jit_compile = False  # torch.compile: slow, and refused weighted
+    else:
+        run.jit_compile = draw(st.sampled_from([True, False, "auto"]))
+        run.run_eagerly = draw(st.sampled_from([False, False, False, True]))
+    return run
+
+
+# Holes found and not fixed yet: (the runs it spoils, the checks left out
+# on them, what is wrong). Each is pinned by a strict xfail test below:
+# whoever fixes one removes its entry here and the mark there.
+KNOWN_HOLES = [
+    (
+        lambda run: run.logger and run.steps_per_execution > 1,
+        {"logger"},
+        "AccumulationLogger under steps_per_execution records only the "
+        "updates that end an execution",
+    ),
+    (
+        lambda run: (
+            run.accum == 1 and not run.skip and (run.accum_after or 1) > 1
+        ),
+        {"all"},
+        "accum_iters raised on an optimizer built with accum_iters=1 fails "
+        "with AttributeError (no window state) instead of a clear error",
+    ),
+    (
+        lambda run: BACKEND == "jax" and run.policy == "mixed_float16",
+        {"window_loss"},
+        "window_loss is NaN under mixed_float16 on JAX",
+    ),
+]
+
+
+def check(run, tmp_path):
+    unchecked = set()
+    for spoils, checks, why in KNOWN_HOLES:
+        if spoils(run):
+            note(f"known hole, not checked: {why}")
+            unchecked |= checks
+    if "all" in unchecked:
+        return
+    initial = initial_weights(run)
+    ours = train_ours(run, tmp_path)
+    parent = train_parent(run)
+    assert_same_run(run, ours, parent, initial, unchecked)
+
+
+@settings(max_examples=EXAMPLES)
+@given(run=runs())
+def test_a_drawn_fit_ends_where_the_parent_on_the_big_batches_ends(
+    run, tmp_path_factory
+):
+    check(run, tmp_path_factory.mktemp("run"))
+
+
+JAX_PROBE_HOLE = (
+    "on JAX, when the plan's last probe runs out of memory, training starts "
+    "from the state an earlier probe that fitted left (one update too many)"
+)
+
+
+# -- fit_to_memory with injected out-of-memory errors --------------------------
+
+
+@st.composite
+def memory_runs(draw):
+    target = draw(st.integers(3, 10))
+    run = MemoryRun(
+        optimizer=draw(st.sampled_from(["adam", "sgd", "rmsprop"])),
+        target=target,
+        samples=target * draw(st.integers(1, 3))
+        + draw(st.integers(0, target - 1)),
+        epochs=draw(st.integers(1, 2)),
+        sample_weight=draw(st.booleans()),
+        logger=draw(st.booleans()),
+    )
+    rules = []
+    if draw(st.booleans()):  # planned by probes, which fail above a size
+        run.micro_batch = None
+        rules.append((0, draw(st.integers(1, target - 1))))
+    else:
+        run.micro_batch = draw(st.integers(1, target - 1))
+    for _ in range(draw(st.integers(0, 2))):  # out of memory mid-training
+        rules.append((draw(st.integers(0, 12)), draw(st.integers(1, 4))))
+    run.rules = tuple(rules)
+    # The injector's `tf.py_function` does not compile under XLA; torch's
+    # jit_compile is torch.compile, refused with weighted windows.
+    run.jit_compile = (
+        draw(st.sampled_from([True, False])) if BACKEND == "jax" else False
+    )
+    return run
+
+
+@settings(max_examples=EXAMPLES)
+@given(run=memory_runs())
+def test_fit_to_memory_with_drawn_out_of_memory_errors_ends_at_the_parent(run):
+    initial = initial_weights(Run())
+    ours = train_ours_to_memory(run, Injector)
+    probes = ours["plan"].probes
+    if BACKEND == "jax" and probes and not probes[-1][1]:
+        note(f"known hole, not checked: {JAX_PROBE_HOLE}")
+        return
+    parent = train_parent_to_memory(run)
+    assert_same_run(run, ours, parent, initial)
+    plan = ours["plan"]
+    sizes = [plan.micro_batch_size] + [new for *_, new in plan.recoveries]
+    assert all(1 <= size <= run.target for size in sizes)
+
+
+# -- The holes, pinned: minimal runs the fuzzer found ------------------------
+
+
+def _hole(reason):
+    return pytest.mark.xfail(strict=True, reason=f"hole: {reason}")
+
+
+@pytest.mark.backends("tensorflow", "jax")  # torch: steps_per_execution=1
+@_hole(KNOWN_HOLES[0][2])
+def test_the_logger_records_every_update_under_steps_per_execution(tmp_path):
+    # 4 micro-batches, windows of 2, one execution: updates 1 and 2;
+    # the logger records [2].
+    check(
+        Run(accum=2, samples=16, steps_per_execution=4, logger=True), tmp_path
+    )
+
+
+@_hole(KNOWN_HOLES[1][2])
+def test_accum_iters_raised_after_building_with_one(tmp_path):
+    # AttributeError: 'AdamAccumulate' object has no attribute
+    # '_accum_micro_steps'.
+    run = Run(accum=1, samples=8, micro_batch=2, resume="continue")
+    run.resume_at, run.accum_after = 2, 3
+    initial = initial_weights(run)
+    assert_same_run(run, train_ours(run, tmp_path), train_parent(run), initial)
+
+
+@pytest.mark.backends("jax")
+@_hole(KNOWN_HOLES[2][2])
+def test_window_loss_under_mixed_float16_on_jax(tmp_path):
+    # The parent's loss on the last window: 2.20; ours: NaN.
+    run = Run(accum=2, samples=8, micro_batch=2, policy="mixed_float16")
+    initial = initial_weights(run)
+    assert_same_run(run, train_ours(run, tmp_path), train_parent(run), initial)
+
+
+@_hole(
+    "samples_seen counts micro-batches while fit_to_memory's window is one "
+    "micro-batch (accum_iters=1), then samples after a recovery"
+)
+def test_fit_to_memory_counts_samples_when_a_window_is_one_micro_batch():
+    # Target 4 at micro-batch 4 (accum_iters=1), out of memory at the
+    # second step: samples_seen ends at 8 (JAX) of the 12 samples applied.
+    run = MemoryRun(target=4, micro_batch=4, samples=12, rules=((1, 2),))
+    ours = train_ours_to_memory(run, Injector)
+    assert ours["plan"].recoveries == [(0, 4, 4, 2)]
+    assert ours["samples_seen"] == 12.0
+
+
+@pytest.mark.backends("jax")
+@_hole(JAX_PROBE_HOLE)
+def test_fit_to_memory_after_a_last_probe_that_does_not_fit_on_jax():
+    # Probes 8, 4 (fail), 2 (fits), 3 (fails): micro-batch 2 x 4 for the 8
+    # samples, one update. Ours: iterations 2, samples_seen 10, weights
+    # 5e-2 away from the parent's.
+    run = MemoryRun(target=8, micro_batch=None, samples=8, rules=((0, 2),))
+    ours = train_ours_to_memory(run, Injector)
+    assert [size for size, *_ in ours["plan"].probes] == [8, 4, 2, 3]
+    parent = train_parent_to_memory(run)
+    assert_same_run(run, ours, parent, initial_weights(Run()))
