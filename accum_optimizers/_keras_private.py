@@ -235,6 +235,16 @@ def batch_norm_renorm(layer):
     return bool(getattr(layer, "renorm", False))
 
 
+def in_stateless_scope():
+    """Whether variables' writes go to a `keras.StatelessScope` (JAX's
+    train step, eagerly too), to be taken only when the step completes."""
+    from keras.src.backend.common.stateless_scope import (
+        in_stateless_scope as in_scope,
+    )
+
+    return in_scope()
+
+
 def is_jax_tracer(value):
     """Whether `value` is a JAX tracer (inside `jax.jit`, a loop body...)."""
     import jax

@@ -104,8 +104,12 @@ def test_drift_is_the_distance_to_the_parent_on_the_big_batch():
 def test_clean_model_has_no_cause_and_batch_norm_has_its_remedy():
     x, y = regression_data(2, 16)
     clean = _compiled(small_model(2), AdamAccumulate(accum_iters=2))
-    assert _causes(check_exactness(clean, x, y, batch_size=4, updates=2,
-                                   verbose=0)) == []
+    assert (
+        _causes(
+            check_exactness(clean, x, y, batch_size=4, updates=2, verbose=0)
+        )
+        == []
+    )
     model = _compiled(_bn_model(2), AdamAccumulate(accum_iters=2))
     report = check_exactness(model, x, y, batch_size=4, updates=2, verbose=0)
     (cause,) = report.causes
@@ -183,7 +187,12 @@ def test_partial_window_is_named_unless_flushed():
     assert _causes(report) == ["partial_window"]
     assert "FlushAccumulation" in report.causes[0].remedy
     report = check_exactness(
-        model, x, y, batch_size=4, updates=2, verbose=0,
+        model,
+        x,
+        y,
+        batch_size=4,
+        updates=2,
+        verbose=0,
         callbacks=[FlushAccumulation()],
     )
     assert _causes(report) == []
@@ -235,12 +244,18 @@ def test_several_losses_with_their_own_counts_are_named():
     )
     sample_weight = np.linspace(0.1, 2.0, 16).astype("float32")
     report = check_exactness(
-        model, x, [y, y], sample_weight=sample_weight, batch_size=4,
-        updates=2, verbose=0,
+        model,
+        x,
+        [y, y],
+        sample_weight=sample_weight,
+        batch_size=4,
+        updates=2,
+        verbose=0,
     )
     assert _causes(report) == ["loss_counts_per_output"]
-    report = check_exactness(model, x, [y, y], batch_size=4, updates=2,
-                             verbose=0)
+    report = check_exactness(
+        model, x, [y, y], batch_size=4, updates=2, verbose=0
+    )
     assert _causes(report) == []
 
 
@@ -263,9 +278,7 @@ def test_sparse_embedding_gradients_are_named_for_adam_on_tensorflow():
 
 def test_loss_scale_optimizer_is_named():
     x, y = regression_data(10, 16)
-    wrapped = keras.optimizers.LossScaleOptimizer(
-        AdamAccumulate(accum_iters=2)
-    )
+    wrapped = keras.optimizers.LossScaleOptimizer(AdamAccumulate(accum_iters=2))
     model = _compiled(small_model(10), wrapped)
     report = check_exactness(model, x, y, batch_size=4, updates=2, verbose=0)
     assert _causes(report) == ["dynamic_loss_scale"]
@@ -399,8 +412,10 @@ def test_model_optimizer_and_random_state_are_left_as_they_were():
         ({"batch_size": 0}, "batch_size=0"),
         ({"batch_size": 2.5}, "batch_size=2.5"),
         ({"optimizer": keras.optimizers.Adam()}, "optimizer=<keras"),
-        ({"optimizer": AdamAccumulate(accum_iters={0: 1, 2: 2})},
-         "accum_iters="),
+        (
+            {"optimizer": AdamAccumulate(accum_iters={0: 1, 2: 2})},
+            "accum_iters=",
+        ),
     ],
 )
 def test_bad_arguments_are_refused_naming_argument_and_value(kwargs, error):
@@ -457,8 +472,14 @@ def test_a_long_table_shows_the_variables_that_drift_most():
     ]
     table[15] = VariableDrift("v15", 1.0, drift=5.0, floor=0.0, tolerance=1.0)
     report = ExactnessReport(
-        exact=False, optimizer="SGDAccumulate(accum_iters=2)", batch_size=4,
-        accum_iters=2, updates=1, drift=[5.0], floor=[0.0], table=table,
+        exact=False,
+        optimizer="SGDAccumulate(accum_iters=2)",
+        batch_size=4,
+        accum_iters=2,
+        updates=1,
+        drift=[5.0],
+        floor=[0.0],
+        table=table,
         causes=[],
     )
     lines = report.lines(max_rows=3)
@@ -486,8 +507,16 @@ def test_command_line_checks_a_saved_model(tmp_path):
         ),
     )
     completed = subprocess.run(
-        [sys.executable, "-m", "accum_optimizers.check", *files,
-         "--batch-size", "4", "--updates", "2"],
+        [
+            sys.executable,
+            "-m",
+            "accum_optimizers.check",
+            *files,
+            "--batch-size",
+            "4",
+            "--updates",
+            "2",
+        ],
         cwd=tmp_path,
         env=env,
         capture_output=True,

@@ -67,36 +67,26 @@ CASES = [
 # Holes found and not fixed yet, by (test, mode, point, at): the reason,
 # and whether the failure is certain (strict xfail) or depends on the order
 # TensorFlow's graph runs independent ops in. Whoever fixes one removes it.
-_UPDATE_WRITES = (
-    "an error inside the parent's update at a window's close leaves the "
-    "window's bookkeeping written (micro_steps, micro_batches_seen, total "
-    "weight, loss sum, window_loss, window_grad_norm, the sums; on "
-    "TensorFlow also the variables updated before it)"
-)
 _GRAPH_BACKWARD = (
     "in a TensorFlow graph an error in the backward pass lets the counters "
     "and the sums of the gradients already computed be written (which "
     "ones depends on the graph's op order)"
-)
-_MEMORY_UPDATE = (
-    "fit_to_memory recovers from an out-of-memory error inside the "
-    "parent's update by re-running the micro-batch after the window's sums "
-    "and counters changed (samples_seen 24 of 20)"
 )
 _MEMORY_GRAPH_BACKWARD = (
     "fit_to_memory recovers from an out-of-memory error in a TensorFlow "
     "graph's backward pass after the window's counters changed "
     "(samples_seen 24 of 20)"
 )
+_GRAPH_UPDATE = (
+    "in a TensorFlow graph an error inside the parent's update leaves part "
+    "of the window's close written, and the error cannot say so (no Python "
+    "runs while the graph does)"
+)
 HOLES = {
     "step": {
         **{
-            (mode, "update", at): (_UPDATE_WRITES, True)
-            for mode in {
-                "torch": ["eager"],
-                "tensorflow": ["eager", "graph"],
-            }.get(BACKEND, [])
-            for at in (1, 4)
+            ("graph", "update", at): (_GRAPH_UPDATE, True)
+            for at in ((1, 4) if BACKEND == "tensorflow" else ())
         },
         **{
             (mode, "backward", at): (_GRAPH_BACKWARD, False)
@@ -105,14 +95,6 @@ HOLES = {
         },
     },
     "memory": {
-        **{
-            (mode, "update", at): (_MEMORY_UPDATE, True)
-            for mode in {
-                "torch": ["eager"],
-                "tensorflow": ["eager", "graph"],
-            }.get(BACKEND, [])
-            for at in (0, 1, 4)
-        },
         **(
             {("graph", "backward", 1): (_MEMORY_GRAPH_BACKWARD, False)}
             if BACKEND == "tensorflow"
@@ -120,6 +102,12 @@ HOLES = {
         ),
     },
 }
+
+# Where a step cannot be undone, the error says so: eagerly, an error
+# inside the parent's update carries a note; `fit_to_memory` stops with a
+# `RuntimeError` instead of retrying.
+PARTLY_WRITTEN = "had begun to write the optimizer's state"
+CANNOT_RETRY = "cannot be undone"
 
 
 def _mark_known_hole(request, test, key):
@@ -193,6 +181,11 @@ def test_an_error_in_a_micro_step_leaves_the_last_steps_state(
     )
     assert fault.raised == 1
     assert MESSAGE in _error_text(error), _error_text(error)
+    if point == "update" and mode == "eager" and BACKEND != "jax":
+        # The close had begun to write: it cannot be undone, and says so.
+        # (A JAX step computes its state before `fit` takes it: none is.)
+        assert PARTLY_WRITTEN in "\n".join(getattr(error, "__notes__", []))
+        return
     try:
         after = state_of(model, _inner(model))
     except RuntimeError as unreadable:
@@ -288,6 +281,13 @@ def test_out_of_memory_in_a_step_is_recovered_to_the_parents_result(
     mode, point, at, request
 ):
     _mark_known_hole(request, "memory", (mode, point, at))
+    if point == "update" and BACKEND != "jax":
+        # Inside the window's close the step cannot be undone: training
+        # stops, saying so, rather than retrying from a half-written state.
+        # (A JAX step computes its state before `fit` takes it: it retries.)
+        with pytest.raises(RuntimeError, match=CANNOT_RETRY):
+            _fit_to_memory_with_fault(point, at, mode)
+        return
     fault, model, history = _fit_to_memory_with_fault(point, at, mode)
     assert fault.raised == 1
     assert [size for *_, size in history.plan.recoveries] == [2]
@@ -310,27 +310,20 @@ def test_out_of_memory_in_a_callback_ends_fit_to_memory_with_the_error(mode):
     assert not changed, changed
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hole: with skip_nonfinite, a skipped micro-batch makes the "
-    "window spill past its target batch, and an out-of-memory recovery "
-    "recomputes the pending window's micro-steps from the sample position, "
-    "ignoring the spill: the recovery changes what is trained",
-)
-def test_an_out_of_memory_recovery_is_invisible_with_skip_nonfinite():
-    # The differential oracle: the same fit_to_memory run without the
-    # error. Sample 0 is NaN, so micro-batch 0 is skipped; the error comes
-    # at the next step (sample 4), mid-window. Weights differ by 2.7e-2.
+def test_an_out_of_memory_recovery_after_a_skip_stops_naming_it():
+    # Sample 0 is NaN, so micro-batch 0 is skipped and the window spills
+    # past its target batch; the error comes at the next step (sample 4),
+    # mid-window, which cannot be re-cut exactly: training stops, the state
+    # as before the failed step.
     from test_fit_to_memory import Injector
 
     x, y, _ = data(Run(samples=24))
     x[0, 0] = np.nan
-    ends = []
-    for rules in ([], [(1, 2)]):
-        model = model_with()
-        optimizer = ao.AdamAccumulate(0.01, skip_nonfinite=True)
-        _compile(model, optimizer, "eager" if BACKEND == "torch" else "graph")
-        Injector(model, rules)
+    model = model_with()
+    optimizer = ao.AdamAccumulate(0.01, skip_nonfinite=True)
+    _compile(model, optimizer, "eager" if BACKEND == "torch" else "graph")
+    Injector(model, [(1, 2)])
+    with pytest.raises(RuntimeError, match="regrouped"):
         ao.fit_to_memory(
             model,
             x,
@@ -340,14 +333,9 @@ def test_an_out_of_memory_recovery_is_invisible_with_skip_nonfinite():
             shuffle=False,
             verbose=0,
         )
-        ends.append(_outcome(model))
-    assert int(ends[0]["skipped"]) == int(ends[1]["skipped"]) == 1
-    np.testing.assert_allclose(
-        np.concatenate([w.ravel() for w in ends[1]["weights"]]),
-        np.concatenate([w.ravel() for w in ends[0]["weights"]]),
-        rtol=1e-5,
-        atol=1e-6,
-    )
+    outcome = _outcome(model)
+    assert outcome["skipped"] == 1 and outcome["iterations"] == 0
+    assert int(keras.ops.convert_to_numpy(optimizer.micro_steps)) == 0
 
 
 # -- A call with a bad argument ----------------------------------------------
@@ -362,14 +350,6 @@ BAD_ARGUMENTS = {
 
 @pytest.mark.parametrize("bad", sorted(BAD_ARGUMENTS))
 def test_a_call_with_a_bad_argument_raises_and_changes_nothing(bad, request):
-    if bad.startswith("loss"):
-        request.node.add_marker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="hole: apply(..., loss=<bad>) raises after adding "
-                "the call's weight to the window's total weight",
-            )
-        )
     variables = [keras.Variable(np.ones(3, "float32"))]
     optimizer = ao.AdamAccumulate(0.1, accum_iters=3)
     optimizer.build(variables)
@@ -401,16 +381,6 @@ def test_a_call_with_a_bad_argument_raises_and_changes_nothing(bad, request):
 def test_a_negative_normalizer_anywhere_in_a_window_changes_no_weight(
     mode, position, request
 ):
-    if position == 2 and mode in ("jit", "xla"):
-        request.node.add_marker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="hole: in compiled JAX and TensorFlow XLA code, a "
-                "negative normalizer in the micro-batch that closes the "
-                "window updates the weights (by the learning rate) before "
-                "TerminateOnNaN sees the NaN loss",
-            )
-        )
     # Windows of 3 micro-batches of 4; the micro-batch at `position` of the
     # first window has sample weights summing to -5 under
     # `mean_with_sample_weight`. Eagerly the step is refused, naming the

@@ -99,29 +99,15 @@ def runs(draw):
 
 
 # Holes found and not fixed yet: (the runs it spoils, the checks left out
-# on them, what is wrong). Each is pinned by a strict xfail test below:
-# whoever fixes one removes its entry here and the mark there.
-KNOWN_HOLES = [
-    (
-        lambda run: run.logger and run.steps_per_execution > 1,
-        {"logger"},
-        "AccumulationLogger under steps_per_execution records only the "
-        "updates that end an execution",
-    ),
-    (
-        lambda run: (
-            run.accum == 1 and not run.skip and (run.accum_after or 1) > 1
-        ),
-        {"all"},
-        "accum_iters raised on an optimizer built with accum_iters=1 fails "
-        "with AttributeError (no window state) instead of a clear error",
-    ),
-    (
-        lambda run: BACKEND == "jax" and run.policy == "mixed_float16",
-        {"window_loss"},
-        "window_loss is NaN under mixed_float16 on JAX",
-    ),
-]
+# on them, what is wrong), each pinned by a strict xfail test below; whoever
+# fixes one removes its entry here and the mark there. None today.
+KNOWN_HOLES = []
+
+
+def _raises_accum_iters_built_without_window(run):
+    """A run that raises `accum_iters` above 1 on an optimizer built with
+    `accum_iters=1` (and no window): refused, naming `accum_iters`."""
+    return run.accum == 1 and not run.skip and (run.accum_after or 1) > 1
 
 
 def check(run, tmp_path):
@@ -131,6 +117,10 @@ def check(run, tmp_path):
             note(f"known hole, not checked: {why}")
             unchecked |= checks
     if "all" in unchecked:
+        return
+    if _raises_accum_iters_built_without_window(run):
+        with pytest.raises(ValueError, match="built with accum_iters=1"):
+            train_ours(run, tmp_path)
         return
     initial = initial_weights(run)
     ours = train_ours(run, tmp_path)
@@ -144,12 +134,6 @@ def test_a_drawn_fit_ends_where_the_parent_on_the_big_batches_ends(
     run, tmp_path_factory
 ):
     check(run, tmp_path_factory.mktemp("run"))
-
-
-JAX_PROBE_HOLE = (
-    "on JAX, when the plan's last probe runs out of memory, training starts "
-    "from the state an earlier probe that fitted left (one update too many)"
-)
 
 
 # -- fit_to_memory with injected out-of-memory errors --------------------------
@@ -189,10 +173,6 @@ def memory_runs(draw):
 def test_fit_to_memory_with_drawn_out_of_memory_errors_ends_at_the_parent(run):
     initial = initial_weights(Run())
     ours = train_ours_to_memory(run, Injector)
-    probes = ours["plan"].probes
-    if BACKEND == "jax" and probes and not probes[-1][1]:
-        note(f"known hole, not checked: {JAX_PROBE_HOLE}")
-        return
     parent = train_parent_to_memory(run)
     assert_same_run(run, ours, parent, initial)
     plan = ours["plan"]
@@ -200,61 +180,45 @@ def test_fit_to_memory_with_drawn_out_of_memory_errors_ends_at_the_parent(run):
     assert all(1 <= size <= run.target for size in sizes)
 
 
-# -- The holes, pinned: minimal runs the fuzzer found ------------------------
-
-
-def _hole(reason):
-    return pytest.mark.xfail(strict=True, reason=f"hole: {reason}")
+# -- The holes it found, pinned: minimal runs ----------------------------------
 
 
 @pytest.mark.backends("tensorflow", "jax")  # torch: steps_per_execution=1
-@_hole(KNOWN_HOLES[0][2])
-def test_the_logger_records_every_update_under_steps_per_execution(tmp_path):
-    # 4 micro-batches, windows of 2, one execution: updates 1 and 2;
-    # the logger records [2].
+def test_the_logger_records_the_last_update_of_each_execution(tmp_path):
+    # 4 micro-batches, windows of 2, one execution: updates 1 and 2; the
+    # logger sees update 2 (and warns: tests/test_features_meet.py).
     check(
         Run(accum=2, samples=16, steps_per_execution=4, logger=True), tmp_path
     )
 
 
-@_hole(KNOWN_HOLES[1][2])
-def test_accum_iters_raised_after_building_with_one(tmp_path):
-    # AttributeError: 'AdamAccumulate' object has no attribute
-    # '_accum_micro_steps'.
+def test_accum_iters_raised_after_building_with_one_is_refused(tmp_path):
     run = Run(accum=1, samples=8, micro_batch=2, resume="continue")
     run.resume_at, run.accum_after = 2, 3
-    initial = initial_weights(run)
-    assert_same_run(run, train_ours(run, tmp_path), train_parent(run), initial)
+    check(run, tmp_path)
 
 
 @pytest.mark.backends("jax")
-@_hole(KNOWN_HOLES[2][2])
 def test_window_loss_under_mixed_float16_on_jax(tmp_path):
-    # The parent's loss on the last window: 2.20; ours: NaN.
+    # The parent's loss on the last window: 2.20 (it was NaN).
     run = Run(accum=2, samples=8, micro_batch=2, policy="mixed_float16")
     initial = initial_weights(run)
     assert_same_run(run, train_ours(run, tmp_path), train_parent(run), initial)
 
 
-@_hole(
-    "samples_seen counts micro-batches while fit_to_memory's window is one "
-    "micro-batch (accum_iters=1), then samples after a recovery"
-)
 def test_fit_to_memory_counts_samples_when_a_window_is_one_micro_batch():
     # Target 4 at micro-batch 4 (accum_iters=1), out of memory at the
-    # second step: samples_seen ends at 8 (JAX) of the 12 samples applied.
+    # second step: samples_seen counts the 12 samples applied.
     run = MemoryRun(target=4, micro_batch=4, samples=12, rules=((1, 2),))
     ours = train_ours_to_memory(run, Injector)
     assert ours["plan"].recoveries == [(0, 4, 4, 2)]
     assert ours["samples_seen"] == 12.0
 
 
-@pytest.mark.backends("jax")
-@_hole(JAX_PROBE_HOLE)
-def test_fit_to_memory_after_a_last_probe_that_does_not_fit_on_jax():
+def test_fit_to_memory_after_a_last_probe_that_does_not_fit():
     # Probes 8, 4 (fail), 2 (fits), 3 (fails): micro-batch 2 x 4 for the 8
-    # samples, one update. Ours: iterations 2, samples_seen 10, weights
-    # 5e-2 away from the parent's.
+    # samples, one update (JAX ended with 2, from the state the last probe
+    # that fitted had left on the model).
     run = MemoryRun(target=8, micro_batch=None, samples=8, rules=((0, 2),))
     ours = train_ours_to_memory(run, Injector)
     assert [size for size, *_ in ours["plan"].probes] == [8, 4, 2, 3]

@@ -512,3 +512,10 @@ def test_compiled_loss_weights_are_compiles_argument():
     assert _keras_private.compiled_loss_weights(model) is None
     model.compile(loss=["mse", "mae"], loss_weights=[1.0, 0.5])
     assert _keras_private.compiled_loss_weights(model) == [1.0, 0.5]
+
+
+def test_in_stateless_scope_is_true_only_inside_one():
+    variable = keras.Variable(1.0)
+    assert not _keras_private.in_stateless_scope()
+    with keras.StatelessScope(state_mapping=[(variable, 2.0)]):
+        assert _keras_private.in_stateless_scope()

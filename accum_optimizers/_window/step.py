@@ -19,6 +19,7 @@ import numpy as np
 from keras import ops
 
 from accum_optimizers import _inputs
+from accum_optimizers import _keras_private
 from accum_optimizers._finite import masked
 from accum_optimizers._validation import concrete_value
 from accum_optimizers._validation import validate_loss
@@ -188,18 +189,34 @@ class WindowStep:
         with self._accum_after(grads):
             for name, value in counts.items():
                 getattr(self, f"_accum_{name}").assign(value)
-        for i in np.flatnonzero(overwrite):
-            self._accum_keep_maximum(self._accum_sums[i], grads[i], finite)
-        # accumulate, or add and apply on the window's last micro-step.
-        self._accum_micro_step(
-            [self._accum_sums[i] for i in summed],
-            [grads[i] for i in summed],
-            new_window,
-            update_switch,
-            lambda totals: self._accum_apply_window(
-                dict(zip(summed, totals)), present
-            ),
-            None if micro_batch.scaled else micro_batch.weight,
+        try:
+            for i in np.flatnonzero(overwrite):
+                self._accum_keep_maximum(self._accum_sums[i], grads[i], finite)
+            # accumulate, or add and apply on the window's last micro-step.
+            self._accum_micro_step(
+                [self._accum_sums[i] for i in summed],
+                [grads[i] for i in summed],
+                new_window,
+                update_switch,
+                lambda totals: self._accum_apply_window(
+                    dict(zip(summed, totals)), present
+                ),
+                None if micro_batch.scaled else micro_batch.weight,
+            )
+        except Exception as error:
+            if self._accum_wrote_before(error):
+                error.add_note(_PARTLY_WRITTEN)
+            raise
+
+    def _accum_wrote_before(self, error):
+        """Whether a micro-step that raised `error` after its commit began
+        had written variables: run eagerly, outside a `StatelessScope`
+        (an error while a graph is traced, or inside a stateless step whose
+        state is taken only when it completes, wrote nothing)."""
+        del error
+        return (
+            concrete_value(self._accum_micro_steps.value) is not None
+            and not _keras_private.in_stateless_scope()
         )
 
     def _accum_next_counts(self, grads, micro_batch, finite):
@@ -323,6 +340,15 @@ class WindowStep:
         if all(grad is None for grad in laid_out):
             raise ValueError("No gradients provided for any variable.")
         return laid_out
+
+
+_PARTLY_WRITTEN = (
+    "accum_optimizers: this error was raised after the micro-step had begun "
+    "to write the optimizer's state (the window's counters and sums, and "
+    "maybe part of the parent's update): the optimizer and the model are "
+    "partly updated and cannot continue exactly. Restore them from a "
+    "checkpoint."
+)
 
 
 class _MicroBatch:

@@ -236,9 +236,7 @@ def _loss_reductions(clone, data, batch_size):
     x, y, sample_weight = (_runs.take(d, np.arange(batch_size)) for d in data)
     with _keras_private.recorded_loss_reductions() as reductions:
         y_pred = clone(x, training=False)
-        clone.compute_loss(
-            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight
-        )
+        clone.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
     return list(reductions)
 
 
@@ -329,4 +327,3 @@ def _sample_count(x, y, sample_weight):
             f"samples. Received: {sorted(counts)} samples"
         )
     return next(iter(counts))
-

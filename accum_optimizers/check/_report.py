@@ -170,8 +170,7 @@ class ExactnessReport:
             )
         shown_updates = _spread(self.updates, 5)
         lines.append(
-            "  after update "
-            + "".join(f"{u:>9d}" for u in shown_updates)
+            "  after update " + "".join(f"{u:>9d}" for u in shown_updates)
         )
         for name, values in (("drift", self.drift), ("floor", self.floor)):
             lines.append(

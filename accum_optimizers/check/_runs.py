@@ -158,8 +158,9 @@ def _ignoring_window_arguments(optimizer):
     apply = optimizer.apply
     apply_gradients = optimizer.apply_gradients
 
-    def apply_without(grads, trainable_variables=None, *, weight=None,
-                      loss=None):
+    def apply_without(
+        grads, trainable_variables=None, *, weight=None, loss=None
+    ):
         return apply(grads, trainable_variables)
 
     def apply_gradients_without(grads_and_vars, *, weight=None, loss=None):
