@@ -151,10 +151,12 @@ def test_torch_ddp_benchmark_counts_one_exchange_per_window():
     rows = {
         line.split("|")[1].strip(): line.split("|")[3:5]
         for line in result.stdout.splitlines()
-        if line.startswith("| every_step") or line.startswith("| per_window")
+        if line.startswith(("| every_step", "| per_window", "| overlap"))
     }
     assert [c.strip() for c in rows["every_step"]] == ["4", "4"]
     assert [c.strip() for c in rows["per_window"]] == ["1", "0"]
+    # One bucket behind the last backward, and the two scalars at the close.
+    assert [c.strip() for c in rows["overlap"]] == ["2", "0"]
 
 
 def test_gpu_check_smoke_reports_every_step_of_this_backend(tmp_path):
