@@ -75,9 +75,11 @@ def sync_windows(
             all-reduce during the window's last backward, as soon as the
             bucket's gradients exist, and the close waits for them. Then
             `apply` must receive exactly the `.grad` that backward
-            produced, one backward per `apply`, and no `weight=` (it
-            arrives after the backward). `skip_nonfinite` stays exact:
-            the last micro-batch's finiteness is read in the reduced sums.
+            produced, one backward per `apply`; a weighted window's last
+            weight must be announced before its backward
+            (`weigh_next_backward`), and `weigh_micro_batches` is refused.
+            `skip_nonfinite` stays exact: the last micro-batch's
+            finiteness is read in the reduced sums.
             Defaults to `None`: the exchange runs at the close.
 
     Returns:
@@ -140,3 +142,44 @@ def sync_windows(
         process_group, bucket_bytes, overlap
     )
     return optimizer
+
+
+def weigh_next_backward(optimizer, weight):
+    """Announces the weight of the micro-batch whose backward runs next.
+
+    Under `sync_windows(optimizer, model=model)` the window's exchange
+    starts during its last backward, before `apply` receives the weight of
+    that micro-batch: for a weighted window (`apply(..., weight=n)`), call
+    this before each backward with the `n` that its `apply` will receive
+    (it is needed only before the backward that closes a window, and the
+    optimizer uses it only there). The announcement holds for one backward
+    and `apply`; an `apply` on the window's last micro-batch whose weight
+    differs from the one announced raises before changing anything.
+
+    Args:
+        optimizer: the accumulating optimizer, under `sync_windows` with
+            `model`.
+        weight: the micro-batch's weight, a finite number `> 0` (its sample
+            count, the sum of its sample weights, or its token count), as
+            `apply` takes it.
+    """
+    import numpy as np
+
+    from accum_optimizers._validation import validate_weight
+
+    sync = getattr(optimizer, "_accum_window_sync", None)
+    if sync is None or sync.overlap is None:
+        raise ValueError(
+            "weigh_next_backward() is for an optimizer under "
+            "sync_windows(optimizer, model=...), whose exchange starts "
+            "during the window's last backward; without `model`, pass the "
+            f"weight to `apply` alone. Received: optimizer={optimizer!r}"
+        )
+    if sync.overlap.current is not None:
+        raise ValueError(
+            "weigh_next_backward() must be called before the backward it "
+            "weighs; a backward already ran since the last `apply`. "
+            f"Received: weight={weight!r}"
+        )
+    value = np.asarray(keras.ops.convert_to_numpy(weight))
+    sync.overlap.next_weight = validate_weight(value, weight)

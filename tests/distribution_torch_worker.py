@@ -49,6 +49,7 @@ from torch.nn.parallel import DistributedDataParallel
 from accum_optimizers import AdamAccumulate
 from accum_optimizers import SGDAccumulate
 from accum_optimizers.torch_distributed import sync_windows
+from accum_optimizers.torch_distributed import weigh_next_backward
 
 K, B, WORLD_SIZE, WINDOWS = 3, 4, 2, 2
 GLOBAL_MICRO = B * WORLD_SIZE
@@ -271,6 +272,41 @@ def overlap_refusals(rank, x, y):
     return results
 
 
+# Weighted windows with the overlap: each global micro-batch of
+# `GLOBAL_MICRO` split unevenly, `SHARES[r]` rows to rank r.
+SHARES = (3, 5)
+
+
+def weighted_overlap(rank, x, y):
+    """`sync_windows(model=)` with uneven shards weighed by their sample
+    counts: each rank's loss is the mean over its own rows, `apply` gets
+    `weight=` the row count, announced before each backward
+    (`weigh_next_backward`); the windows are the global batches of the
+    `adam` case (keys `weighted_overlap_*`)."""
+    optimizer_class, kwargs = CASES["adam"]
+    model = small_model(0)
+    optimizer = sync_windows(
+        optimizer_class(accum_iters=K, **kwargs), model=model
+    )
+    variables = model.trainable_variables
+    share, offset = SHARES[rank], sum(SHARES[:rank])
+    for start in range(0, N, GLOBAL_MICRO):
+        lo = start + offset
+        xb = torch.from_numpy(x[lo : lo + share])
+        yb = torch.from_numpy(y[lo : lo + share])
+        weigh_next_backward(optimizer, share)
+        torch.mean(torch.square(model(xb) - yb)).backward()
+        grads = [v.value.grad for v in variables]
+        with torch.no_grad():
+            optimizer.apply(grads, variables, weight=share)
+        model.zero_grad()
+    results = {
+        f"weighted_overlap_w{i}": w for i, w in enumerate(model.get_weights())
+    }
+    results["weighted_overlap_iterations"] = int(optimizer.iterations)
+    return results
+
+
 def main(out):
     assert keras.backend.backend() == "torch"
     rank = int(os.environ["RANK"])
@@ -292,6 +328,7 @@ def main(out):
             results.update(flush_partial_windows(rank, x, y, overlap))
             results.update(skip_on_every_rank(rank, x, y, overlap=overlap))
         results.update(overlap_refusals(rank, x, y))
+        results.update(weighted_overlap(rank, x, y))
         np.savez(Path(out) / f"rank{rank}.npz", **results)
     finally:
         dist.destroy_process_group()

@@ -355,40 +355,21 @@ def test_overlap_refuses_other_gradients_and_weights_changing_nothing(ranks):
             )
 
 
-def test_buckets_split_by_size_and_dtype():
-    import torch
+def test_overlap_weighted_uneven_shards_equal_one_process_global_batch(
+    ranks,
+):
+    # Each global micro-batch split 3/5 over the ranks, weighed by the row
+    # counts announced before each backward: the window's mean is the
+    # global batch's, as with even shards.
+    from distribution_torch_worker import WINDOWS
 
-    from accum_optimizers._backend.torch import _buckets
-
-    tensors = [
-        torch.zeros(4),  # 16 bytes
-        torch.zeros(2),  # 8
-        torch.zeros(3),  # 12: over 32 with the first two
-        torch.zeros(1, dtype=torch.float64),
-        torch.zeros(20),  # 80: larger than a bucket, alone
-    ]
-    sizes = [[t.numel() for t in b] for b in _buckets(tensors, 32)]
-    assert sizes == [[4, 2], [3], [1], [20]]
-
-
-def test_sync_windows_refuses_what_it_cannot_sync():
-    import torch.distributed as dist
-
-    from accum_optimizers import AdamAccumulate
-    from accum_optimizers.torch_distributed import sync_windows
-
-    with pytest.raises(ValueError, match="accum_iters=1"):
-        sync_windows(AdamAccumulate(accum_iters=1))
-    with pytest.raises(ValueError, match="optimizer="):
-        sync_windows(keras.optimizers.Adam())
-    with pytest.raises(ValueError, match="bucket_cap_mb=0"):
-        sync_windows(AdamAccumulate(accum_iters=2), bucket_cap_mb=0)
-    with pytest.raises(ValueError, match="model=<object"):
-        sync_windows(AdamAccumulate(accum_iters=2), model=object())
-    with pytest.raises(ValueError, match="no trainable variables"):
-        sync_windows(AdamAccumulate(accum_iters=2), model=keras.Sequential())
-    assert not dist.is_initialized()
-    optimizer = AdamAccumulate(accum_iters=2)
-    with pytest.raises(ValueError, match="init_process_group"):
-        sync_windows(optimizer)
-    assert not hasattr(optimizer, "_accum_window_sync")
+    chief, other = ranks
+    for result in ranks:
+        for i, weight in enumerate(parent_weights("adam")):
+            np.testing.assert_allclose(
+                result[f"weighted_overlap_w{i}"], weight, rtol=1e-5, atol=1e-6
+            )
+        assert result["weighted_overlap_iterations"] == WINDOWS
+    for key in chief:
+        if key.startswith("weighted_overlap_w"):
+            np.testing.assert_array_equal(other[key], chief[key])

@@ -43,14 +43,11 @@ class Accumulation:
         before its inputs are read (torch: the backward that ran since the
         last `apply` is this call's, see `torch_overlap.py`)."""
 
-    def _accum_check_gradients(self, grads):
+    def _accum_check_gradients(self, grads, weight, scaled):
         """Raises, before any state changes, where the backend cannot take
-        `grads` (one gradient or `None` per variable)."""
-
-    def _accum_weight_refusal(self):
-        """Why weighted micro-batches cannot be taken (a message for the
-        `ValueError`), or `None` where they can."""
-        return None
+        `grads` (one gradient or `None` per variable) with `weight` (the
+        call's, checked: `None`, a float or a traced scalar); `scaled`:
+        the gradients arrive multiplied by `weight`."""
 
     def _accum_micro_step(
         self, sums, grads, new_window, update_switch, apply_window, weight=None

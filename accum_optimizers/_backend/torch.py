@@ -18,25 +18,10 @@ class TorchAccumulation(Accumulation):
         if overlap is not None:
             overlap.claim()
 
-    def _accum_check_gradients(self, grads):
+    def _accum_check_gradients(self, grads, weight, scaled):
         overlap = _overlap_of(self)
         if overlap is not None and overlap.claimed is not None:
-            overlap.claimed.check(grads)
-
-    def _accum_weight_refusal(self):
-        overlap = _overlap_of(self)
-        if overlap is None:
-            return None
-        # The window's last backward adds its gradients into the exchange
-        # before `apply` brings their weight.
-        overlap.discard_claimed()
-        return (
-            "Weighted windows (`weight=`, `weigh_micro_batches`) cannot be "
-            "used with sync_windows(model=...): the exchange starts during "
-            "the window's last backward, before `apply` receives its "
-            "weight. Call sync_windows without `model` (the exchange then "
-            "runs at the close). Received: weight with sync_windows(model=...)"
-        )
+            overlap.claimed.check(grads, weight, scaled)
 
     @torch.no_grad()
     def _accum_add(self, sums, grads, new_window, weight=None):

@@ -49,6 +49,9 @@ class Overlap:
         # Whether the running `apply` found its finiteness in the reduced
         # buffers (the same on every rank: no further agreement needed).
         self.finite_agreed = False
+        # The weight announced for the next backward
+        # (`torch_distributed.weigh_next_backward`), a float or `None`.
+        self.next_weight = None
         self.handles = [
             variable.value.register_post_accumulate_grad_hook(self._on_grad)
             for variable in model.trainable_variables
@@ -80,6 +83,7 @@ class Overlap:
             {i: optimizer._accum_sums[i].value for i in summed},
             self.bucket_bytes,
             self.process_group,
+            self.next_weight,
         )
 
     def claim(self):
@@ -89,6 +93,7 @@ class Overlap:
         last, self.current = self.current, None
         self.claimed = last or None
         self.finite_agreed = False
+        self.next_weight = None  # announced for one backward only
         return self.claimed
 
     def discard_current(self):
@@ -120,12 +125,15 @@ class LastBackward:
             variables.
         bucket_bytes: the most bytes of sums one bucket holds.
         process_group: the group to all-reduce over.
+        weight: the micro-batch's weight announced before the backward (a
+            float), or `None` (it counts 1).
     """
 
-    def __init__(self, variables, sums, bucket_bytes, process_group):
+    def __init__(self, variables, sums, bucket_bytes, process_group, weight):
         from accum_optimizers._backend.torch import _buckets
 
         self.process_group = process_group
+        self.weight = weight
         order = sorted(sums, reverse=True)
         self.index_of = {id(variables[i].value): i for i in order}
         self.grads = {}
@@ -179,14 +187,41 @@ class LastBackward:
             else:
                 # What `_accum_add` computes, in the sum's dtype.
                 grad = grad.reshape(-1).to(total.dtype)
-                torch.add(total.reshape(-1), grad, out=piece)
+                alpha = 1 if self.weight is None else self.weight
+                torch.add(total.reshape(-1), grad, alpha=alpha, out=piece)
         bucket.handle = torch.distributed.all_reduce(
             bucket.flat, group=self.process_group, async_op=True
         )
 
-    def check(self, grads):
+    def check(self, grads, weight, scaled):
         """Raises unless `grads` (one per variable, as `apply` lays them
-        out) are the gradients this backward produced."""
+        out) are the gradients this backward produced, and `weight` (the
+        call's, checked: a float or `None`) is the one announced for it.
+        `scaled`: the gradients arrive multiplied by `weight` (`fit` with
+        `weigh_micro_batches`)."""
+        if scaled:
+            raise ValueError(
+                "weigh_micro_batches cannot be used with "
+                "sync_windows(model=...): the window's exchange starts during "
+                "its last backward, inside `fit`, before the micro-batch's "
+                "weight reaches the optimizer. Call sync_windows without "
+                "`model`. Received: weigh_micro_batches with "
+                "sync_windows(model=...)"
+            )
+        if weight != self.weight:
+            announced = (
+                "no weight was announced before its backward"
+                if self.weight is None
+                else f"weigh_next_backward(optimizer, {self.weight!r}) "
+                "announced another"
+            )
+            raise ValueError(
+                "sync_windows(model=...): the exchange of the window's last "
+                "micro-batch starts during its backward, so its weight must "
+                "be announced before it (weigh_next_backward); "
+                f"{announced}. Received: weight={weight!r}, "
+                f"announced={self.weight!r}"
+            )
         for index in self.bucket_of:
             taken = self.grads.get(index)
             grad = grads[index]

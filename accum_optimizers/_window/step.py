@@ -130,7 +130,9 @@ class WindowStep:
         grads = self._accum_gradients_of_every_variable(
             grads, trainable_variables
         )
-        self._accum_check_gradients(grads)
+        self._accum_check_gradients(
+            grads, micro_batch.weight, micro_batch.scaled
+        )
         with keras.name_scope(self.name, caller=self):
             enters = self._accum_enters_window(grads, micro_batch)
             if enters is None:
@@ -262,11 +264,7 @@ class WindowStep:
 
     def _accum_check_weighable(self):
         """Refuses weights when the sums are float16: `weight * grad`
-        overflows float16's range (65504) at token counts; and where the
-        backend cannot take weights (`_accum_weight_refusal`)."""
-        refusal = self._accum_weight_refusal() if self._accumulates else None
-        if refusal is not None:
-            raise ValueError(refusal)
+        overflows float16's range (65504) at token counts."""
         if self._accumulates and self.accumulator_dtype == "float16":
             raise ValueError(
                 "Weighted windows (`weight=`, `weigh_micro_batches`) need an "
