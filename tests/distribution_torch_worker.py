@@ -151,7 +151,8 @@ def flush_partial_windows(rank, x, y, overlap=False):
     """`flush` under `sync_windows`: a partial window of 2 micro-steps
     (keys `flush_*`), then one whose micro-batch on rank 1 is NaN (keys
     `flush_nan_*`: every rank must discard it, none left waiting). With
-    `overlap`, under `sync_windows(model=)` (keys `overlap_flush*`)."""
+    `overlap`, under `sync_windows(model=)`, and the first `flush` after
+    the backward of a third micro-step (keys `overlap_flush*`)."""
     model = small_model(0)
     optimizer = sync_windows(
         SGDAccumulate(learning_rate=0.1, accum_iters=K),
@@ -173,6 +174,15 @@ def flush_partial_windows(rank, x, y, overlap=False):
             grads = [v.value.grad for v in variables]
             with torch.no_grad():
                 optimizer.apply(grads, variables)
+            model.zero_grad()
+        if overlap and not poisoned:
+            # A backward that would close the window, whose exchange starts,
+            # then `flush` instead of its `apply`: the exchange is dropped
+            # and the 2 micro-steps are applied.
+            lo = 2 * GLOBAL_MICRO + rank * B
+            xb = torch.from_numpy(x[lo : lo + B])
+            yb = torch.from_numpy(y[lo : lo + B])
+            torch.mean(torch.square(model(xb) - yb)).backward()
             model.zero_grad()
         optimizer.flush()
         for i, w in enumerate(model.get_weights()):
