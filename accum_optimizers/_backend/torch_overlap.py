@@ -58,6 +58,7 @@ class Overlap:
         ]
 
     def _on_grad(self, parameter):
+        """The hook: `parameter`'s gradient is accumulated in `.grad`."""
         last = self.current
         if last is None:
             last = self.current = self._arm()
@@ -171,6 +172,8 @@ class LastBackward:
 
     @torch.no_grad()
     def _launch(self, bucket):
+        """Writes `bucket`'s `sum + weight * grad` into its flat buffer and
+        starts the buffer's all-reduce."""
         self.launched += 1
         bucket.flat = torch.empty(
             sum(s.numel() for s in bucket.sums),
@@ -208,7 +211,8 @@ class LastBackward:
                 "`model`. Received: weigh_micro_batches with "
                 "sync_windows(model=...)"
             )
-        if weight != self.weight:
+        # No weight counts 1, as in `apply`.
+        if (1.0 if weight is None else weight) != (self.weight or 1.0):
             announced = (
                 "no weight was announced before its backward"
                 if self.weight is None
@@ -284,6 +288,8 @@ class _Bucket:
 
 
 def _same_tensor(a, b):
+    """Whether `a` is a tensor over the same memory as the tensor `b`, with
+    its shape, strides and dtype (`b` seen through another wrapper)."""
     return (
         isinstance(a, torch.Tensor)
         and a.data_ptr() == b.data_ptr()
@@ -294,6 +300,7 @@ def _same_tensor(a, b):
 
 
 def _describe(grad):
+    """`grad` (a tensor or `None`) in an error message."""
     if grad is None:
         return "None"
     return f"a tensor of shape {tuple(grad.shape)}"
