@@ -101,7 +101,7 @@ def train(case, rank, x, y, way="every_step"):
     optimizer_class, kwargs = CASES[case]
     model = small_model(0)
     ddp = DistributedDataParallel(model)
-    state = {"reductions": 0, "all_reduces": 0}
+    state = {"reductions": 0, "all_reduces": 0, "in_backward": 0}
     ddp.register_comm_hook(state, counting_allreduce)
     optimizer = optimizer_class(accum_iters=K, **kwargs)
     windows = way != "every_step"
@@ -119,9 +119,11 @@ def train(case, rank, x, y, way="every_step"):
             lo = start + rank * B
             xb = torch.from_numpy(x[lo : lo + B])
             yb = torch.from_numpy(y[lo : lo + B])
+            before = state["all_reduces"]
             with ddp.no_sync() if windows else contextlib.nullcontext():
                 loss = torch.mean(torch.square(ddp(xb) - yb))
                 loss.backward()  # without no_sync, DDP averages them
+            state["in_backward"] += state["all_reduces"] - before
             # A Keras torch variable's `.value` is its `torch.nn.Parameter`.
             grads = [v.value.grad for v in variables]
             with torch.no_grad():
@@ -144,6 +146,7 @@ def train(case, rank, x, y, way="every_step"):
     )
     results[f"{case}_reductions"] = state["reductions"]
     results[f"{case}_all_reduces"] = state["all_reduces"]
+    results[f"{case}_all_reduces_in_backward"] = state["in_backward"]
     return results
 
 

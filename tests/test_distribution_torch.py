@@ -232,6 +232,11 @@ def test_overlap_reduces_once_per_bucket_per_window(ranks, case):
         assert result[f"{case}_overlap_all_reduces"] == (
             (OVERLAP_BUCKETS + 1) * WINDOWS
         )
+        # The buckets' all-reduces start inside the last backward.
+        assert result[f"{case}_overlap_all_reduces_in_backward"] == (
+            OVERLAP_BUCKETS * WINDOWS
+        )
+        assert result[f"{case}_windows_all_reduces_in_backward"] == 0
 
 
 @pytest.mark.parametrize("prefix", ["", "overlap_"])
