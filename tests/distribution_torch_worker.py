@@ -320,6 +320,38 @@ def weighted_overlap(rank, x, y):
     return results
 
 
+def missing_gradients(rank, x, y, overlap):
+    """A two-headed model whose head `b` gets no gradient on each window's
+    last micro-step (its bucket waits for the close), weighted windows,
+    one bucket per variable; at the close or with the overlap (keys
+    `missing_{way}_*`, to be equal bit for bit)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((x.shape[1],))
+    heads = [keras.layers.Dense(2, name=name)(inputs) for name in "ab"]
+    model = keras.Model(inputs, heads)
+    optimizer = sync_windows(
+        AdamAccumulate(learning_rate=0.01, accum_iters=K),
+        model=model if overlap else None,
+        bucket_cap_mb=1e-6,
+    )
+    variables = model.trainable_variables
+    for step in range(WINDOWS * K):
+        lo = step * GLOBAL_MICRO + rank * B
+        out_a, out_b = model(torch.from_numpy(x[lo : lo + B]))
+        loss = torch.mean(torch.square(out_a))
+        if step % K != K - 1:
+            loss = loss + torch.mean(torch.square(out_b))
+        if overlap:
+            weigh_next_backward(optimizer, 2.0 + rank)
+        loss.backward()
+        grads = [v.value.grad for v in variables]
+        with torch.no_grad():
+            optimizer.apply(grads, variables, weight=2.0 + rank)
+        model.zero_grad()
+    way = "overlap" if overlap else "windows"
+    return {f"missing_{way}_w{i}": w for i, w in enumerate(model.get_weights())}
+
+
 def main(out):
     assert keras.backend.backend() == "torch"
     rank = int(os.environ["RANK"])
@@ -342,6 +374,8 @@ def main(out):
             results.update(skip_on_every_rank(rank, x, y, overlap=overlap))
         results.update(overlap_refusals(rank, x, y))
         results.update(weighted_overlap(rank, x, y))
+        for overlap in (False, True):
+            results.update(missing_gradients(rank, x, y, overlap))
         np.savez(Path(out) / f"rank{rank}.npz", **results)
     finally:
         dist.destroy_process_group()

@@ -360,6 +360,22 @@ def test_overlap_refuses_other_gradients_and_weights_changing_nothing(ranks):
             )
 
 
+def test_overlap_waits_for_variables_without_gradient_bit_for_bit(ranks):
+    # Head b has no gradient on each window's last micro-step: its buckets
+    # (one per variable here) start at the close; weighted windows; the
+    # same weights as the exchange at the close, on both ranks.
+    chief, other = ranks
+    keys = [k for k in chief if k.startswith("missing_windows_w")]
+    assert len(keys) == 4
+    for result in ranks:
+        for key in keys:
+            np.testing.assert_array_equal(
+                result[key.replace("_windows_", "_overlap_")], result[key]
+            )
+    for key in keys:
+        np.testing.assert_array_equal(other[key], chief[key])
+
+
 def test_overlap_weighted_uneven_shards_equal_one_process_global_batch(
     ranks,
 ):
