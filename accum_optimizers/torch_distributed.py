@@ -9,6 +9,9 @@ rank accumulates its own gradients, and when the window is full the ranks'
 sums and total weights are added in one bucketed all-reduce, before the
 parent optimizer's update. The user runs every micro-step's backward
 without DDP's exchange (under `ddp.no_sync()`, or without DDP at all).
+With `model=`, the exchange starts during the window's last backward, a
+bucket at a time as its gradients are ready, as DDP hides its own behind
+the backward pass; the close only waits for it.
 """
 
 import keras
@@ -18,15 +21,20 @@ DEFAULT_BUCKET_CAP_MB = 25
 
 
 class _WindowSync:
-    """What `sync_windows` attached: the process group and bucket size."""
+    """What `sync_windows` attached: the process group, the bucket size in
+    bytes, and the last backward's hooks (`None` without `model`)."""
 
-    def __init__(self, process_group, bucket_cap_mb):
+    def __init__(self, process_group, bucket_bytes, overlap):
         self.process_group = process_group
-        self.bucket_bytes = int(bucket_cap_mb * 2**20)
+        self.bucket_bytes = bucket_bytes
+        self.overlap = overlap
 
 
 def sync_windows(
-    optimizer, process_group=None, bucket_cap_mb=DEFAULT_BUCKET_CAP_MB
+    optimizer,
+    process_group=None,
+    bucket_cap_mb=DEFAULT_BUCKET_CAP_MB,
+    model=None,
 ):
     """Makes `optimizer` all-reduce its window's sums once per window.
 
@@ -57,8 +65,22 @@ def sync_windows(
             over. Defaults to `None`, the default (world) group, which
             `torch.distributed.init_process_group` must have made.
         bucket_cap_mb: the most megabytes (MiB) of sums one all-reduce
-            carries (the only extra memory the exchange takes). Defaults to
-            25, DDP's bucket size.
+            carries. Without `model` one bucket's copy is the only extra
+            memory the exchange takes; with `model`, every bucket's copy
+            lives from the last backward to the close (up to the size of
+            the sums). Defaults to 25, DDP's bucket size.
+        model: Optional: the bare Keras model whose trainable variables
+            `optimizer` updates (not the `DistributedDataParallel`
+            wrapper). Hooks on its parameters start each bucket's
+            all-reduce during the window's last backward, as soon as the
+            bucket's gradients exist, and the close waits for them. Then
+            `apply` must receive exactly the `.grad` that backward
+            produced, one backward per `apply`; a weighted window's last
+            weight must be announced before its backward
+            (`weigh_next_backward`), and `weigh_micro_batches` is refused.
+            `skip_nonfinite` stays exact: the last micro-batch's
+            finiteness is read in the reduced sums.
+            Defaults to `None`: the exchange runs at the close.
 
     Returns:
         `optimizer`.
@@ -89,10 +111,75 @@ def sync_windows(
         raise ValueError(
             f"bucket_cap_mb must be > 0; got bucket_cap_mb={bucket_cap_mb!r}."
         )
+    if model is not None and not hasattr(model, "trainable_variables"):
+        raise ValueError(
+            "sync_windows(model=...) needs the bare Keras model whose "
+            "variables the optimizer updates (not its "
+            f"DistributedDataParallel wrapper); got model={model!r}."
+        )
+    if model is not None and not model.trainable_variables:
+        raise ValueError(
+            "sync_windows(model=...) hooks the model's trainable variables, "
+            "and the model has none yet: build it (call it once, or "
+            f"`model.build(...)`) first. Received: model={model.name!r} "
+            "with no trainable variables."
+        )
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(
             "sync_windows() needs torch.distributed initialized "
             "(torch.distributed.init_process_group) before it is called."
         )
-    optimizer._accum_window_sync = _WindowSync(process_group, bucket_cap_mb)
+    bucket_bytes = int(bucket_cap_mb * 2**20)
+    old = getattr(optimizer, "_accum_window_sync", None)
+    if old is not None and old.overlap is not None:
+        old.overlap.remove()
+    overlap = None
+    if model is not None:
+        from accum_optimizers._backend.torch_overlap import Overlap
+
+        overlap = Overlap(optimizer, model, process_group, bucket_bytes)
+    optimizer._accum_window_sync = _WindowSync(
+        process_group, bucket_bytes, overlap
+    )
     return optimizer
+
+
+def weigh_next_backward(optimizer, weight):
+    """Announces the weight of the micro-batch whose backward runs next.
+
+    Under `sync_windows(optimizer, model=model)` the window's exchange
+    starts during its last backward, before `apply` receives the weight of
+    that micro-batch: for a weighted window (`apply(..., weight=n)`), call
+    this before each backward with the `n` that its `apply` will receive
+    (it is needed only before the backward that closes a window, and the
+    optimizer uses it only there). The announcement holds for one backward
+    and `apply`; an `apply` on the window's last micro-batch whose weight
+    differs from the one announced raises before changing anything.
+
+    Args:
+        optimizer: the accumulating optimizer, under `sync_windows` with
+            `model`.
+        weight: the micro-batch's weight, a finite number `> 0` (its sample
+            count, the sum of its sample weights, or its token count), as
+            `apply` takes it.
+    """
+    import numpy as np
+
+    from accum_optimizers._validation import validate_weight
+
+    sync = getattr(optimizer, "_accum_window_sync", None)
+    if sync is None or sync.overlap is None:
+        raise ValueError(
+            "weigh_next_backward() is for an optimizer under "
+            "sync_windows(optimizer, model=...), whose exchange starts "
+            "during the window's last backward; without `model`, pass the "
+            f"weight to `apply` alone. Received: optimizer={optimizer!r}"
+        )
+    if sync.overlap.current is not None:
+        raise ValueError(
+            "weigh_next_backward() must be called before the backward it "
+            "weighs; a backward already ran since the last `apply`. "
+            f"Received: weight={weight!r}"
+        )
+    value = np.asarray(keras.ops.convert_to_numpy(weight))
+    sync.overlap.next_weight = validate_weight(value, weight)

@@ -1,4 +1,5 @@
-"""torch DDP: gradients exchanged every micro-step, or once per window.
+"""torch DDP: gradients exchanged every micro-step, or once per window
+(at its close, or behind its last backward).
 
     python -m benchmarks.torch_ddp [--ranks 2] [--accum-iters 4]
                                    [--micro-batch 32] [--windows 6]
@@ -6,18 +7,26 @@
 
 Starts `--ranks` CPU processes (gloo over 127.0.0.1), each training the
 same Keras MLP (256-width-width-10) wrapped in `DistributedDataParallel`,
-with `AdamAccumulate(accum_iters=k)` in a custom loop, two ways, side by
-side, interleaved over `--repeats` rounds:
+with `AdamAccumulate(accum_iters=k)` in a custom loop, three ways, side
+by side, interleaved over `--repeats` rounds:
 
 - `every_step`: plain DDP, which all-reduces the gradients in every
   `backward` (k exchanges per window);
 - `per_window`: every backward under `ddp.no_sync()`, and the optimizer
   under `accum_optimizers.torch_distributed.sync_windows` (one exchange per
-  window, at its close).
+  window, at its close);
+- `overlap`: the same with `sync_windows(model=model)`, which starts each
+  bucket's all-reduce during the window's last backward, and waits for it
+  at the close.
 
-Prints, for each, the median micro-batch samples/s over all ranks and the
-all-reduce calls per window, and the ratio. On one machine's CPU the
-exchange is cheap (shared memory); between machines it is the network.
+Prints, for each, the median micro-batch samples/s over all ranks, the
+all-reduce calls per window, the time of the window's last micro-step
+(forward, backward and `apply`: where the window's exchange waits) and of
+the other micro-steps (median over windows and rounds, slowest rank), and
+the ratios. `per_window`'s other micro-steps exchange nothing: their time
+is the compute time per micro-step that `benchmarks.ddp_model` takes. On
+one machine's CPU the exchange is cheap (shared memory); between machines
+it is the network.
 """
 
 import argparse
@@ -33,7 +42,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-WAYS = ("every_step", "per_window")
+WAYS = ("every_step", "per_window", "overlap")
 # How long a rank waits for the others in a collective, and to leave.
 GROUP_TIMEOUT_S = 120
 TEARDOWN_TIMEOUT_S = 60
@@ -115,18 +124,28 @@ def rank_main(args):
         optimizer = AdamAccumulate(accum_iters=args.accum_iters)
         if way == "per_window":
             sync_windows(optimizer)
-        runs[way] = (model, ddp, optimizer, [])
+        elif way == "overlap":
+            sync_windows(optimizer, model=model)
+        runs[way] = (model, ddp, optimizer, [], [], [])
 
     def train(way):
-        model, ddp, optimizer, _ = runs[way]
+        """One pass over the data; returns the seconds of each window's
+        last micro-step and of the other micro-steps."""
+        model, ddp, optimizer = runs[way][:3]
         variables = model.trainable_variables
-        quiet = ddp.no_sync if way == "per_window" else contextlib.nullcontext
+        quiet = contextlib.nullcontext if way == "every_step" else ddp.no_sync
+        last, others = [], []
         for step in range(steps):
+            start = time.perf_counter()
             with quiet():
                 loss_fn(ddp(x[step]), y[step]).backward()
             with torch.no_grad():
                 optimizer.apply([v.value.grad for v in variables], variables)
             model.zero_grad()
+            seconds = time.perf_counter() - start
+            closes = (step + 1) % args.accum_iters == 0
+            (last if closes else others).append(seconds)
+        return last, others
 
     for way in WAYS:  # warm-up (also builds the optimizers)
         train(way)
@@ -137,16 +156,24 @@ def rank_main(args):
             dist.barrier()
             before = dict(calls)
             start = time.perf_counter()
-            train(way)
+            last, others = train(way)
             seconds = time.perf_counter() - start
             counts[way] = {k: calls[k] - before[k] for k in calls}
             runs[way][3].append(steps * args.micro_batch * args.ranks / seconds)
+            runs[way][4].extend(last)
+            runs[way][5].extend(others)
+    sums = runs["per_window"][2]._accum_sums
     result = {
         way: {
             "samples_per_s": statistics.median(runs[way][3]),
             "all_reduces_per_window": counts[way]["all_reduce"] / args.windows,
             "backward_all_reduces_per_window": counts[way]["backward"]
             / args.windows,
+            "last_step_ms": 1e3 * statistics.median(runs[way][4]),
+            "micro_step_ms": 1e3 * statistics.median(runs[way][5]),
+            "sum_bytes": sum(
+                s.value.numel() * s.value.element_size() for s in sums
+            ),
         }
         for way in WAYS
     }
@@ -215,20 +242,28 @@ def main(argv=None):
     ranks = json.loads(out.splitlines()[-1])
     print(
         "| way | samples/s (median, slowest rank) | all-reduces per window "
-        "| of them in backward (DDP) |"
+        "| of them in backward (DDP) | last micro-step (ms) "
+        "| other micro-steps (ms) |"
     )
-    print("|---|---|---|---|")
-    rates = {}
+    print("|---|---|---|---|---|---|")
+    rates, last = {}, {}
     for way in WAYS:
         rates[way] = min(r[way]["samples_per_s"] for r in ranks)
+        last[way] = max(r[way]["last_step_ms"] for r in ranks)
+        others = max(r[way]["micro_step_ms"] for r in ranks)
         counted = ranks[0][way]
         print(
             f"| {way} | {rates[way]:.0f} "
             f"| {counted['all_reduces_per_window']:.0f} "
-            f"| {counted['backward_all_reduces_per_window']:.0f} |"
+            f"| {counted['backward_all_reduces_per_window']:.0f} "
+            f"| {last[way]:.2f} | {others:.2f} |"
         )
-    ratio = rates["per_window"] / rates["every_step"]
-    print(f"\nper_window / every_step: {ratio:.2f}")
+    for way in ("per_window", "overlap"):
+        ratio = rates[way] / rates["every_step"]
+        print(f"\n{way} / every_step (samples/s): {ratio:.2f}", end="")
+    ratio = last["overlap"] / last["per_window"]
+    print(f"\noverlap / per_window (last micro-step time): {ratio:.2f}")
+    print(f"sums: {ranks[0]['per_window']['sum_bytes']} bytes per rank")
     return 0
 
 

@@ -49,11 +49,17 @@ from torch.nn.parallel import DistributedDataParallel
 from accum_optimizers import AdamAccumulate
 from accum_optimizers import SGDAccumulate
 from accum_optimizers.torch_distributed import sync_windows
+from accum_optimizers.torch_distributed import weigh_next_backward
 
 K, B, WORLD_SIZE, WINDOWS = 3, 4, 2, 2
 GLOBAL_MICRO = B * WORLD_SIZE
 N = WINDOWS * K * GLOBAL_MICRO
 DATA_SEED = 5
+WAYS = ("every_step", "windows", "overlap")
+# With the overlap, buckets of 104 bytes: the small model's sums, last
+# variable first (8, 48, 24 and 96 bytes), make 2 buckets.
+OVERLAP_BUCKET_MB = 104 / 2**20
+OVERLAP_BUCKETS = 2
 CASES = {
     "adam": (AdamAccumulate, {"learning_rate": 0.01}),
     "sgd_nesterov_momentum": (
@@ -85,31 +91,49 @@ def counting_all_reduces(state):
         dist.all_reduce = original
 
 
-def train(case, rank, x, y, windows=False):
-    """Trains one case; `windows`: micro-steps under `no_sync()` and the
-    optimizer under `sync_windows` (keys suffixed `_windows`)."""
+def train(case, rank, x, y, way="every_step"):
+    """Trains one case, one `way` (keys suffixed `_{way}`, none for
+    `every_step`): `every_step`, plain DDP; `windows`, micro-steps under
+    `no_sync()` and the optimizer under `sync_windows`; `overlap`, the
+    same with `sync_windows(model=)` (the exchange in the last backward).
+    Under `sync_windows` the all-reduces are counted over the whole loop,
+    backward passes included."""
     optimizer_class, kwargs = CASES[case]
     model = small_model(0)
     ddp = DistributedDataParallel(model)
-    state = {"reductions": 0, "all_reduces": 0}
+    state = {"reductions": 0, "all_reduces": 0, "in_backward": 0}
     ddp.register_comm_hook(state, counting_allreduce)
     optimizer = optimizer_class(accum_iters=K, **kwargs)
+    windows = way != "every_step"
     if windows:
-        sync_windows(optimizer)
+        if way == "overlap":
+            sync_windows(
+                optimizer, model=model, bucket_cap_mb=OVERLAP_BUCKET_MB
+            )
+        else:
+            sync_windows(optimizer)
     variables = model.trainable_variables
-    for start in range(0, N, GLOBAL_MICRO):
-        lo = start + rank * B
-        xb = torch.from_numpy(x[lo : lo + B])
-        yb = torch.from_numpy(y[lo : lo + B])
-        with ddp.no_sync() if windows else contextlib.nullcontext():
-            loss = torch.mean(torch.square(ddp(xb) - yb))
-            loss.backward()  # without no_sync, DDP averages the gradients
-        # A Keras torch variable's `.value` is its `torch.nn.Parameter`.
-        grads = [v.value.grad for v in variables]
-        with torch.no_grad(), counting_all_reduces(state):
-            optimizer.apply(grads, variables)
-        ddp.zero_grad()
-    case = f"{case}_windows" if windows else case
+    counted = counting_all_reduces(state) if windows else None
+    with counted or contextlib.nullcontext():
+        for start in range(0, N, GLOBAL_MICRO):
+            lo = start + rank * B
+            xb = torch.from_numpy(x[lo : lo + B])
+            yb = torch.from_numpy(y[lo : lo + B])
+            before = state["all_reduces"]
+            with ddp.no_sync() if windows else contextlib.nullcontext():
+                loss = torch.mean(torch.square(ddp(xb) - yb))
+                loss.backward()  # without no_sync, DDP averages them
+            state["in_backward"] += state["all_reduces"] - before
+            # A Keras torch variable's `.value` is its `torch.nn.Parameter`.
+            grads = [v.value.grad for v in variables]
+            with torch.no_grad():
+                if windows:
+                    optimizer.apply(grads, variables)
+                else:
+                    with counting_all_reduces(state):
+                        optimizer.apply(grads, variables)
+            ddp.zero_grad()
+    case = case if way == "every_step" else f"{case}_{way}"
     results = {f"{case}_w{i}": w for i, w in enumerate(model.get_weights())}
     results[f"{case}_iterations"] = int(
         keras.ops.convert_to_numpy(optimizer.iterations)
@@ -122,18 +146,26 @@ def train(case, rank, x, y, windows=False):
     )
     results[f"{case}_reductions"] = state["reductions"]
     results[f"{case}_all_reduces"] = state["all_reduces"]
+    results[f"{case}_all_reduces_in_backward"] = state["in_backward"]
     return results
 
 
-def flush_partial_windows(rank, x, y):
+def flush_partial_windows(rank, x, y, overlap=False):
     """`flush` under `sync_windows`: a partial window of 2 micro-steps
     (keys `flush_*`), then one whose micro-batch on rank 1 is NaN (keys
-    `flush_nan_*`: every rank must discard it, none left waiting)."""
+    `flush_nan_*`: every rank must discard it, none left waiting). With
+    `overlap`, under `sync_windows(model=)`, and the first `flush` after
+    the backward of a third micro-step (keys `overlap_flush*`)."""
     model = small_model(0)
-    optimizer = sync_windows(SGDAccumulate(learning_rate=0.1, accum_iters=K))
+    optimizer = sync_windows(
+        SGDAccumulate(learning_rate=0.1, accum_iters=K),
+        model=model if overlap else None,
+    )
     variables = model.trainable_variables
     results = {}
+    prefix = "overlap_" if overlap else ""
     for name, steps, poisoned in (("flush", 2, False), ("flush_nan", 1, True)):
+        name = prefix + name
         for step in range(steps):
             lo = step * GLOBAL_MICRO + rank * B
             xb = torch.from_numpy(x[lo : lo + B])
@@ -145,6 +177,15 @@ def flush_partial_windows(rank, x, y):
             grads = [v.value.grad for v in variables]
             with torch.no_grad():
                 optimizer.apply(grads, variables)
+            model.zero_grad()
+        if overlap and not poisoned:
+            # A backward that would close the window, whose exchange starts,
+            # then `flush` instead of its `apply`: the exchange is dropped
+            # and the 2 micro-steps are applied.
+            lo = 2 * GLOBAL_MICRO + rank * B
+            xb = torch.from_numpy(x[lo : lo + B])
+            yb = torch.from_numpy(y[lo : lo + B])
+            torch.mean(torch.square(model(xb) - yb)).backward()
             model.zero_grad()
         optimizer.flush()
         for i, w in enumerate(model.get_weights()):
@@ -158,36 +199,157 @@ def flush_partial_windows(rank, x, y):
     return results
 
 
-def skip_on_every_rank(rank, x, y):
+def skip_on_every_rank(rank, x, y, skipped=None, overlap=False):
     """`skip_nonfinite` under `sync_windows`: rank 1's gradients are NaN
-    on micro-step `SKIPPED`; both ranks must leave it out (keys `skip_*`)."""
+    on micro-step `skipped` (default `SKIPPED`); both ranks must leave it
+    out (keys `skip_*`). With `overlap`, under `sync_windows(model=)` and
+    NaN on the window's last micro-step, `OVERLAP_SKIPPED`, whose
+    finiteness is read in the reduced sums (keys `overlap_skip_*`)."""
     model = small_model(0)
     optimizer = sync_windows(
-        AdamAccumulate(learning_rate=0.01, accum_iters=K, skip_nonfinite=True)
+        AdamAccumulate(learning_rate=0.01, accum_iters=K, skip_nonfinite=True),
+        model=model if overlap else None,
     )
+    skipped = OVERLAP_SKIPPED if overlap else SKIPPED
+    prefix = "overlap_skip" if overlap else "skip"
     variables = model.trainable_variables
     for step in range(K + 1):
         lo = step * GLOBAL_MICRO + rank * B
         xb = torch.from_numpy(x[lo : lo + B])
         yb = torch.from_numpy(y[lo : lo + B])
         loss = torch.mean(torch.square(model(xb) - yb))
-        if step == SKIPPED and rank == 1:
+        if step == skipped and rank == 1:
             loss = loss * float("nan")
         loss.backward()
         grads = [v.value.grad for v in variables]
         with torch.no_grad():
             optimizer.apply(grads, variables)
         model.zero_grad()
-    results = {f"skip_w{i}": w for i, w in enumerate(model.get_weights())}
+    results = {f"{prefix}_w{i}": w for i, w in enumerate(model.get_weights())}
     for name in ("iterations", "skipped_micro_batches", "micro_steps"):
-        results[f"skip_{name}"] = int(
+        results[f"{prefix}_{name}"] = int(
             keras.ops.convert_to_numpy(getattr(optimizer, name))
         )
     return results
 
 
-# The micro-step whose gradients are NaN on rank 1 (`skip_on_every_rank`).
+# The micro-step whose gradients are NaN on rank 1 (`skip_on_every_rank`):
+# mid-window, and with the overlap the window's last.
 SKIPPED = 1
+OVERLAP_SKIPPED = K - 1
+
+
+def overlap_refusals(rank, x, y):
+    """Under `sync_windows(model=)`, on the window's last micro-step:
+    `apply` with gradients other than the backward's `.grad`, then with a
+    `weight`, must raise and change nothing; the right call then closes
+    the window (keys `refused_*`: the errors, and the weights and counters
+    after it)."""
+    model = small_model(0)
+    optimizer = sync_windows(
+        AdamAccumulate(learning_rate=0.01, accum_iters=K), model=model
+    )
+    variables = model.trainable_variables
+    results = {}
+    for step in range(K):
+        lo = step * GLOBAL_MICRO + rank * B
+        xb = torch.from_numpy(x[lo : lo + B])
+        yb = torch.from_numpy(y[lo : lo + B])
+        torch.mean(torch.square(model(xb) - yb)).backward()
+        grads = [v.value.grad for v in variables]
+        with torch.no_grad():
+            for name in ("copies", "weight") if step == K - 1 else ():
+                # Each refusal drops the backward's exchange: the backward
+                # runs again for the next call.
+                try:
+                    if name == "copies":
+                        optimizer.apply([g.clone() for g in grads], variables)
+                    else:
+                        optimizer.apply(grads, variables, weight=2.0)
+                except ValueError as error:
+                    results[f"refused_{name}"] = str(error)
+                results[f"refused_{name}_micro_steps"] = int(
+                    optimizer.micro_steps
+                )
+                model.zero_grad()
+                with torch.enable_grad():
+                    loss = torch.mean(torch.square(model(xb) - yb))
+                    loss.backward()
+                grads = [v.value.grad for v in variables]
+            optimizer.apply(grads, variables)
+        model.zero_grad()
+    results.update(
+        {f"refused_w{i}": w for i, w in enumerate(model.get_weights())}
+    )
+    results["refused_iterations"] = int(optimizer.iterations)
+    return results
+
+
+# Weighted windows with the overlap: each global micro-batch of
+# `GLOBAL_MICRO` split unevenly, `SHARES[r]` rows to rank r.
+SHARES = (3, 5)
+
+
+def weighted_overlap(rank, x, y):
+    """`sync_windows(model=)` with uneven shards weighed by their sample
+    counts: each rank's loss is the mean over its own rows, `apply` gets
+    `weight=` the row count, announced before each backward
+    (`weigh_next_backward`); the windows are the global batches of the
+    `adam` case (keys `weighted_overlap_*`)."""
+    optimizer_class, kwargs = CASES["adam"]
+    model = small_model(0)
+    optimizer = sync_windows(
+        optimizer_class(accum_iters=K, **kwargs), model=model
+    )
+    variables = model.trainable_variables
+    share, offset = SHARES[rank], sum(SHARES[:rank])
+    for start in range(0, N, GLOBAL_MICRO):
+        lo = start + offset
+        xb = torch.from_numpy(x[lo : lo + share])
+        yb = torch.from_numpy(y[lo : lo + share])
+        weigh_next_backward(optimizer, share)
+        torch.mean(torch.square(model(xb) - yb)).backward()
+        grads = [v.value.grad for v in variables]
+        with torch.no_grad():
+            optimizer.apply(grads, variables, weight=share)
+        model.zero_grad()
+    results = {
+        f"weighted_overlap_w{i}": w for i, w in enumerate(model.get_weights())
+    }
+    results["weighted_overlap_iterations"] = int(optimizer.iterations)
+    return results
+
+
+def missing_gradients(rank, x, y, overlap):
+    """A two-headed model whose head `b` gets no gradient on each window's
+    last micro-step (its bucket waits for the close), weighted windows,
+    one bucket per variable; at the close or with the overlap (keys
+    `missing_{way}_*`, to be equal bit for bit)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((x.shape[1],))
+    heads = [keras.layers.Dense(2, name=name)(inputs) for name in "ab"]
+    model = keras.Model(inputs, heads)
+    optimizer = sync_windows(
+        AdamAccumulate(learning_rate=0.01, accum_iters=K),
+        model=model if overlap else None,
+        bucket_cap_mb=1e-6,
+    )
+    variables = model.trainable_variables
+    for step in range(WINDOWS * K):
+        lo = step * GLOBAL_MICRO + rank * B
+        out_a, out_b = model(torch.from_numpy(x[lo : lo + B]))
+        loss = torch.mean(torch.square(out_a))
+        if step % K != K - 1:
+            loss = loss + torch.mean(torch.square(out_b))
+        if overlap:
+            weigh_next_backward(optimizer, 2.0 + rank)
+        loss.backward()
+        grads = [v.value.grad for v in variables]
+        with torch.no_grad():
+            optimizer.apply(grads, variables, weight=2.0 + rank)
+        model.zero_grad()
+    way = "overlap" if overlap else "windows"
+    return {f"missing_{way}_w{i}": w for i, w in enumerate(model.get_weights())}
 
 
 def main(out):
@@ -205,10 +367,15 @@ def main(out):
         x, y = regression_data(DATA_SEED, N)
         results = {"rank": rank, "world_size": dist.get_world_size()}
         for case in CASES:
-            results.update(train(case, rank, x, y))
-            results.update(train(case, rank, x, y, windows=True))
-        results.update(flush_partial_windows(rank, x, y))
-        results.update(skip_on_every_rank(rank, x, y))
+            for way in WAYS:
+                results.update(train(case, rank, x, y, way))
+        for overlap in (False, True):
+            results.update(flush_partial_windows(rank, x, y, overlap))
+            results.update(skip_on_every_rank(rank, x, y, overlap=overlap))
+        results.update(overlap_refusals(rank, x, y))
+        results.update(weighted_overlap(rank, x, y))
+        for overlap in (False, True):
+            results.update(missing_gradients(rank, x, y, overlap))
         np.savez(Path(out) / f"rank{rank}.npz", **results)
     finally:
         dist.destroy_process_group()

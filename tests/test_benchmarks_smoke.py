@@ -151,10 +151,29 @@ def test_torch_ddp_benchmark_counts_one_exchange_per_window():
     rows = {
         line.split("|")[1].strip(): line.split("|")[3:5]
         for line in result.stdout.splitlines()
-        if line.startswith("| every_step") or line.startswith("| per_window")
+        if line.startswith(("| every_step", "| per_window", "| overlap"))
     }
     assert [c.strip() for c in rows["every_step"]] == ["4", "4"]
     assert [c.strip() for c in rows["per_window"]] == ["1", "0"]
+    # One bucket behind the last backward, and the two scalars at the close.
+    assert [c.strip() for c in rows["overlap"]] == ["2", "0"]
+
+
+def test_ddp_model_is_its_formulas():
+    # A ring all-reduce of S bytes over p ranks: 2 (p - 1) / p * S each
+    # way. 8 MB over 4 ranks at 1 Gbit/s: 1.5 * 8e6 / 1.25e8 = 96 ms.
+    from benchmarks import ddp_model
+
+    exchange = ddp_model.all_reduce_s(8e6, 4, 1.0)
+    assert exchange == pytest.approx(0.096)
+    # 100 ms of compute, half of it behind which 96 ms can hide: 46 ms
+    # stay exposed, 4 times for DDP, once with the overlap.
+    ways = ddp_model.window_s(0.1, exchange, 4, 0.5)
+    assert ways["ddp_every_step"] == pytest.approx(4 * (0.1 + 0.046))
+    assert ways["sync_at_close"] == pytest.approx(0.4 + 0.096)
+    assert ways["sync_overlap"] == pytest.approx(0.4 + 0.046)
+    table = ddp_model.table(ddp_model.parse(["--compute-ms", "100"]))
+    assert len(table.splitlines()) == 2 + 3 * 6  # 3 bandwidths, 6 rank counts
 
 
 def test_gpu_check_smoke_reports_every_step_of_this_backend(tmp_path):

@@ -29,23 +29,22 @@ why every rank applies the same window. DDP's `no_sync()` (skip the
 all-reduce on the first `K - 1` micro-steps) does not compose with our
 optimizer: on torch the accumulators are plain rank-local tensors that are
 never reduced, so the unreduced micro-steps would make the ranks diverge.
-"""
 
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
+`sync_windows` reduces the window's sums once per window, at the close, or
+with `model=` behind the window's last backward (the overlap); both ways
+are checked against the same oracle, against each other bit for bit, and
+by their counted all-reduces, backward passes included.
+"""
 
 import keras
 import numpy as np
 import pytest
 from helpers import assert_same_weights
+from torch_ranks import parent_weights
+from torch_ranks import run_ranks
 
 pytestmark = pytest.mark.backends("torch")
 
-HERE = Path(__file__).resolve().parent
-TIMEOUT_S = 240
 CASES = ["adam", "sgd_nesterov_momentum"]
 
 
@@ -111,66 +110,6 @@ def test_data_parallel_with_explicit_devices_is_ignored():
 # -- DistributedDataParallel over 2 processes --------------------------------
 
 
-def run_ranks(out, world_size):
-    """Runs every rank to completion, or kills them all; judges exit codes.
-
-    Each rank's output goes to `out/rank{r}.log` (a file, not a pipe: no
-    rank can block on a full pipe while the test waits on another).
-    """
-    # A file rendezvous: a port picked beforehand can be taken by another
-    # process before rank 0 binds it.
-    store = out / "rendezvous"
-    processes = []
-    timed_out = False
-    try:
-        for rank in range(world_size):
-            env = dict(
-                os.environ,
-                KERAS_BACKEND="torch",
-                ACCUM_INIT_METHOD=f"file://{store}",
-                RANK=str(rank),
-                WORLD_SIZE=str(world_size),
-                OMP_NUM_THREADS="1",  # 2 processes on 2 cores
-                # This checkout's package, not an installed one.
-                PYTHONPATH=os.pathsep.join(
-                    [str(HERE.parent), os.environ.get("PYTHONPATH", "")]
-                ),
-                TF_CPP_MIN_LOG_LEVEL="3",
-            )
-            with open(out / f"rank{rank}.log", "w") as log:
-                processes.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            str(HERE / "distribution_torch_worker.py"),
-                            str(out),
-                        ],
-                        cwd=HERE,
-                        env=env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                    )
-                )
-        deadline = time.monotonic() + TIMEOUT_S
-        for process in processes:
-            process.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        timed_out = True
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    failures = [f"timed out after {TIMEOUT_S} s"] if timed_out else []
-    for rank, process in enumerate(processes):
-        if process.returncode != 0:
-            tail = (out / f"rank{rank}.log").read_text()[-3000:]
-            failures.append(
-                f"rank {rank} exited with {process.returncode}:\n{tail}"
-            )
-    assert not failures, "\n\n".join(failures)
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     from distribution_torch_worker import WORLD_SIZE
@@ -182,24 +121,6 @@ def ranks(tmp_path_factory):
         assert result["rank"] == rank
         assert result["world_size"] == WORLD_SIZE
     return results
-
-
-def parent_weights(case):
-    from distribution_torch_worker import CASES as WORKER_CASES
-    from distribution_torch_worker import DATA_SEED
-    from distribution_torch_worker import GLOBAL_MICRO
-    from distribution_torch_worker import K
-    from distribution_torch_worker import N
-    from helpers import PARENTS
-    from helpers import regression_data
-    from helpers import small_model
-
-    optimizer_class, kwargs = WORKER_CASES[case]
-    x, y = regression_data(DATA_SEED, N)
-    model = small_model(0)
-    model.compile(optimizer=PARENTS[optimizer_class](**kwargs), loss="mse")
-    model.fit(x, y, batch_size=K * GLOBAL_MICRO, shuffle=False, verbose=0)
-    return model.get_weights()
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -243,26 +164,44 @@ def test_ddp_reduces_the_gradients_every_micro_step(ranks, case):
 # -- Once per window: no_sync() and sync_windows ------------------------------
 
 
+# `windows`: the exchange at the close; `overlap`: `sync_windows(model=)`,
+# the exchange started during the window's last backward.
+SYNC_WAYS = ["windows", "overlap"]
+
+
+@pytest.mark.parametrize("way", SYNC_WAYS)
 @pytest.mark.parametrize("case", CASES)
-def test_sync_windows_equals_one_process_global_batch(ranks, case):
+def test_sync_windows_equals_one_process_global_batch(ranks, case, way):
     from distribution_torch_worker import WINDOWS
 
     for result in ranks:
         for i, weight in enumerate(parent_weights(case)):
             np.testing.assert_allclose(
-                result[f"{case}_windows_w{i}"], weight, rtol=1e-5, atol=1e-6
+                result[f"{case}_{way}_w{i}"], weight, rtol=1e-5, atol=1e-6
             )
-        assert result[f"{case}_windows_iterations"] == WINDOWS
-        assert result[f"{case}_windows_micro_steps"] == 0
+        assert result[f"{case}_{way}_iterations"] == WINDOWS
+        assert result[f"{case}_{way}_micro_steps"] == 0
 
 
+@pytest.mark.parametrize("way", SYNC_WAYS)
 @pytest.mark.parametrize("case", CASES)
-def test_sync_windows_ranks_are_bit_identical(ranks, case):
+def test_sync_windows_ranks_are_bit_identical(ranks, case, way):
     chief, other = ranks
-    keys = [k for k in chief if k.startswith(f"{case}_windows_w")]
+    keys = [k for k in chief if k.startswith(f"{case}_{way}_w")]
     assert keys
     for key in keys:
         np.testing.assert_array_equal(other[key], chief[key])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_overlap_equals_the_exchange_at_the_close_bit_for_bit(ranks, case):
+    # The same additions in the same order: only when they run differs.
+    for result in ranks:
+        keys = [k for k in result if k.startswith(f"{case}_windows_w")]
+        for key in keys:
+            np.testing.assert_array_equal(
+                result[key.replace("_windows_", "_overlap_")], result[key]
+            )
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -278,7 +217,30 @@ def test_sync_windows_reduces_once_per_window(ranks, case):
         assert result[f"{case}_all_reduces"] == 0
 
 
-def test_sync_windows_flush_applies_the_global_partial_window(ranks):
+@pytest.mark.parametrize("case", CASES)
+def test_overlap_reduces_once_per_bucket_per_window(ranks, case):
+    # Counted over whole windows, backward passes included: one all-reduce
+    # per bucket in each window's last backward (2 buckets here, launched
+    # in one order on both ranks), and one of two scalars at the close (the
+    # loss sum and the total weight, which only `apply` brings); none in
+    # DDP's hooks and none on the other micro-steps.
+    from distribution_torch_worker import OVERLAP_BUCKETS
+    from distribution_torch_worker import WINDOWS
+
+    for result in ranks:
+        assert result[f"{case}_overlap_reductions"] == 0
+        assert result[f"{case}_overlap_all_reduces"] == (
+            (OVERLAP_BUCKETS + 1) * WINDOWS
+        )
+        # The buckets' all-reduces start inside the last backward.
+        assert result[f"{case}_overlap_all_reduces_in_backward"] == (
+            OVERLAP_BUCKETS * WINDOWS
+        )
+        assert result[f"{case}_windows_all_reduces_in_backward"] == 0
+
+
+@pytest.mark.parametrize("prefix", ["", "overlap_"])
+def test_sync_windows_flush_applies_the_global_partial_window(ranks, prefix):
     # Oracle: the parent on one process, on the 2 global micro-batches the
     # flushed window holds.
     from distribution_torch_worker import DATA_SEED
@@ -300,44 +262,52 @@ def test_sync_windows_flush_applies_the_global_partial_window(ranks):
     for result in ranks:
         for i, weight in enumerate(model.get_weights()):
             np.testing.assert_allclose(
-                result[f"flush_w{i}"], weight, rtol=1e-5, atol=1e-6
+                result[f"{prefix}flush_w{i}"], weight, rtol=1e-5, atol=1e-6
             )
-        assert result["flush_iterations"] == 1
+        assert result[f"{prefix}flush_iterations"] == 1
 
 
-def test_sync_windows_flush_discards_a_window_non_finite_on_one_rank(ranks):
+@pytest.mark.parametrize("prefix", ["", "overlap_"])
+def test_sync_windows_flush_discards_a_window_non_finite_on_one_rank(
+    ranks, prefix
+):
     # Rank 1's micro-batch is NaN: every rank discards the window (none
     # waits in the all-reduce), and the weights stay the flushed ones.
     chief, other = ranks
     for result in ranks:
-        assert result["flush_nan_iterations"] == 1
-        assert result["flush_nan_micro_steps"] == 0
+        assert result[f"{prefix}flush_nan_iterations"] == 1
+        assert result[f"{prefix}flush_nan_micro_steps"] == 0
         for key in result:
-            if key.startswith("flush_nan_w"):
+            if key.startswith(f"{prefix}flush_nan_w"):
                 flushed = result[key.replace("flush_nan_w", "flush_w")]
                 np.testing.assert_array_equal(result[key], flushed)
     for key in chief:
-        if key.startswith("flush"):
+        if key.startswith(f"{prefix}flush"):
             np.testing.assert_array_equal(other[key], chief[key])
 
 
-def test_sync_windows_skips_a_micro_batch_non_finite_on_one_rank(ranks):
+@pytest.mark.parametrize("prefix", ["skip", "overlap_skip"])
+def test_sync_windows_skips_a_micro_batch_non_finite_on_one_rank(ranks, prefix):
     # Oracle: the parent on one process, on the global micro-batches the
-    # window holds once micro-step SKIPPED (NaN on rank 1 only) is left out.
+    # window holds once the skipped micro-step (NaN on rank 1 only) is left
+    # out: mid-window, or with the overlap the window's last one, whose
+    # exchange had already started.
     from distribution_torch_worker import DATA_SEED
     from distribution_torch_worker import GLOBAL_MICRO
+    from distribution_torch_worker import OVERLAP_SKIPPED
     from distribution_torch_worker import SKIPPED
     from distribution_torch_worker import K
     from distribution_torch_worker import N
     from helpers import regression_data
     from helpers import small_model
 
+    skipped = OVERLAP_SKIPPED if prefix == "overlap_skip" else SKIPPED
     x, y = regression_data(DATA_SEED, N)
     kept = np.concatenate(
         [
             np.arange(step * GLOBAL_MICRO, (step + 1) * GLOBAL_MICRO)
             for step in range(K + 1)
-            if step != SKIPPED
+            if step != skipped
         ]
     )
     model = small_model(0)
@@ -349,46 +319,78 @@ def test_sync_windows_skips_a_micro_batch_non_finite_on_one_rank(ranks):
     for result in ranks:
         for i, weight in enumerate(model.get_weights()):
             np.testing.assert_allclose(
-                result[f"skip_w{i}"], weight, rtol=1e-5, atol=1e-6
+                result[f"{prefix}_w{i}"], weight, rtol=1e-5, atol=1e-6
             )
-        assert result["skip_iterations"] == 1
-        assert result["skip_skipped_micro_batches"] == 1
-        assert result["skip_micro_steps"] == 0
+        assert result[f"{prefix}_iterations"] == 1
+        assert result[f"{prefix}_skipped_micro_batches"] == 1
+        assert result[f"{prefix}_micro_steps"] == 0
     for key in chief:
-        if key.startswith("skip_w"):
+        if key.startswith(f"{prefix}_w"):
             np.testing.assert_array_equal(other[key], chief[key])
 
 
-def test_buckets_split_by_size_and_dtype():
-    import torch
+def test_overlap_refuses_other_gradients_and_weights_changing_nothing(ranks):
+    # On the window's last micro-step, after its backward started the
+    # exchange: `apply` with copies of the gradients, then with a
+    # `weight`, raises and leaves the window pending; the right call then
+    # closes it as the parent on the global batch.
+    from distribution_torch_worker import DATA_SEED
+    from distribution_torch_worker import GLOBAL_MICRO
+    from distribution_torch_worker import K
+    from distribution_torch_worker import N
+    from helpers import regression_data
+    from helpers import small_model
 
-    from accum_optimizers._backend.torch import _buckets
+    x, y = regression_data(DATA_SEED, N)
+    model = small_model(0)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    window = K * GLOBAL_MICRO
+    model.fit(
+        x[:window], y[:window], batch_size=window, shuffle=False, verbose=0
+    )
+    for result in ranks:
+        assert "must receive the `.grad`" in str(result["refused_copies"])
+        assert "sync_windows(model=...)" in str(result["refused_weight"])
+        assert result["refused_copies_micro_steps"] == K - 1
+        assert result["refused_weight_micro_steps"] == K - 1
+        assert result["refused_iterations"] == 1
+        for i, weight in enumerate(model.get_weights()):
+            np.testing.assert_allclose(
+                result[f"refused_w{i}"], weight, rtol=1e-5, atol=1e-6
+            )
 
-    tensors = [
-        torch.zeros(4),  # 16 bytes
-        torch.zeros(2),  # 8
-        torch.zeros(3),  # 12: over 32 with the first two
-        torch.zeros(1, dtype=torch.float64),
-        torch.zeros(20),  # 80: larger than a bucket, alone
-    ]
-    sizes = [[t.numel() for t in b] for b in _buckets(tensors, 32)]
-    assert sizes == [[4, 2], [3], [1], [20]]
+
+def test_overlap_waits_for_variables_without_gradient_bit_for_bit(ranks):
+    # Head b has no gradient on each window's last micro-step: its buckets
+    # (one per variable here) start at the close; weighted windows; the
+    # same weights as the exchange at the close, on both ranks.
+    chief, other = ranks
+    keys = [k for k in chief if k.startswith("missing_windows_w")]
+    assert len(keys) == 4
+    for result in ranks:
+        for key in keys:
+            np.testing.assert_array_equal(
+                result[key.replace("_windows_", "_overlap_")], result[key]
+            )
+    for key in keys:
+        np.testing.assert_array_equal(other[key], chief[key])
 
 
-def test_sync_windows_refuses_what_it_cannot_sync():
-    import torch.distributed as dist
+def test_overlap_weighted_uneven_shards_equal_one_process_global_batch(
+    ranks,
+):
+    # Each global micro-batch split 3/5 over the ranks, weighed by the row
+    # counts announced before each backward: the window's mean is the
+    # global batch's, as with even shards.
+    from distribution_torch_worker import WINDOWS
 
-    from accum_optimizers import AdamAccumulate
-    from accum_optimizers.torch_distributed import sync_windows
-
-    with pytest.raises(ValueError, match="accum_iters=1"):
-        sync_windows(AdamAccumulate(accum_iters=1))
-    with pytest.raises(ValueError, match="optimizer="):
-        sync_windows(keras.optimizers.Adam())
-    with pytest.raises(ValueError, match="bucket_cap_mb=0"):
-        sync_windows(AdamAccumulate(accum_iters=2), bucket_cap_mb=0)
-    assert not dist.is_initialized()
-    optimizer = AdamAccumulate(accum_iters=2)
-    with pytest.raises(ValueError, match="init_process_group"):
-        sync_windows(optimizer)
-    assert not hasattr(optimizer, "_accum_window_sync")
+    chief, other = ranks
+    for result in ranks:
+        for i, weight in enumerate(parent_weights("adam")):
+            np.testing.assert_allclose(
+                result[f"weighted_overlap_w{i}"], weight, rtol=1e-5, atol=1e-6
+            )
+        assert result["weighted_overlap_iterations"] == WINDOWS
+    for key in chief:
+        if key.startswith("weighted_overlap_w"):
+            np.testing.assert_array_equal(other[key], chief[key])

@@ -38,6 +38,17 @@ class Accumulation:
         need none: each waits for its own gradient."""
         return contextlib.nullcontext()
 
+    def _accum_begin_apply(self):
+        """Called first in every `apply` of an accumulating optimizer,
+        before its inputs are read (torch: the backward that ran since the
+        last `apply` is this call's, see `torch_overlap.py`)."""
+
+    def _accum_check_gradients(self, grads, weight, scaled):
+        """Raises, before any state changes, where the backend cannot take
+        `grads` (one gradient or `None` per variable) with `weight` (the
+        call's, checked: `None`, a float or a traced scalar); `scaled`:
+        the gradients arrive multiplied by `weight`."""
+
     def _accum_micro_step(
         self, sums, grads, new_window, update_switch, apply_window, weight=None
     ):

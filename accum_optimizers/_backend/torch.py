@@ -1,6 +1,8 @@
 """torch: in-place `torch._foreach_*` adds, and sums zeroed at the window's
 end (eager torch has no fused select to make overwriting cheaper); under
-`torch_distributed.sync_windows`, one bucketed all-reduce per window."""
+`torch_distributed.sync_windows`, one bucketed all-reduce per window, at
+the close or (with `model=`) behind the window's last backward
+(`torch_overlap.py`)."""
 
 import torch
 
@@ -11,8 +13,21 @@ from accum_optimizers._window.spec import resetting_variables
 
 
 class TorchAccumulation(Accumulation):
+    def _accum_begin_apply(self):
+        overlap = _overlap_of(self)
+        if overlap is not None:
+            overlap.claim()
+
+    def _accum_check_gradients(self, grads, weight, scaled):
+        overlap = _overlap_of(self)
+        if overlap is not None and overlap.claimed is not None:
+            overlap.claimed.check(grads, weight, scaled)
+
     @torch.no_grad()
     def _accum_add(self, sums, grads, new_window, weight=None):
+        overlap = _overlap_of(self)
+        if overlap is not None and overlap.claimed is not None:
+            return  # the last backward added them, into its buffers
         # `_accum_end_window` zeroed the sums: a new window needs no select.
         # A weight known on the host multiplies inside the add (`alpha`).
         alpha = weight if isinstance(weight, float) else 1
@@ -37,6 +52,13 @@ class TorchAccumulation(Accumulation):
         # the ranks' summed sums over their summed weights. In place: the
         # sums and the weight are the window's own, dead after it.
         tensors = list(sums) + [total_weight]
+        overlap = sync.overlap
+        if overlap is not None and overlap.claimed is not None:
+            # The gradient sums crossed behind the last backward; the loss
+            # sum and the total weight, known only now, cross here.
+            overlap.claimed.commit()
+            overlap.claimed = None
+            tensors = [sums[-1], total_weight]
         for bucket in _buckets(tensors, sync.bucket_bytes):
             flat = torch.cat([t.reshape(-1) for t in bucket])
             torch.distributed.all_reduce(flat, group=sync.process_group)
@@ -50,6 +72,10 @@ class TorchAccumulation(Accumulation):
         sync = getattr(self, "_accum_window_sync", None)
         if sync is None:
             return finite
+        if sync.overlap is not None:
+            # `flush` after a backward no `apply` took: its exchange is
+            # dropped, on every rank.
+            sync.overlap.discard_current()
         # Under `sync_windows` every rank must take the same branch of
         # `flush`: the window's all-reduce is collective.
         flag = torch.tensor([int(finite)], dtype=torch.int32)
@@ -62,6 +88,8 @@ class TorchAccumulation(Accumulation):
         sync = getattr(self, "_accum_window_sync", None)
         if sync is None:
             return finite
+        if sync.overlap is not None and sync.overlap.finite_agreed:
+            return finite  # read in the reduced buffers, alike everywhere
         flag = torch.as_tensor(finite, dtype=torch.int32).reshape(1)
         torch.distributed.all_reduce(
             flag, op=torch.distributed.ReduceOp.MIN, group=sync.process_group
@@ -87,9 +115,26 @@ class TorchAccumulation(Accumulation):
         super()._accum_note_loss(loss.detach())
 
     def _accum_all_finite(self, grads):
+        overlap = _overlap_of(self)
+        if overlap is not None and overlap.claimed is not None:
+            # Exact without reading the gradients first: the earlier
+            # micro-steps' sums are finite (checked then), so the reduced
+            # `sum + grad` of every rank is finite exactly when every
+            # rank's gradients are (but for a sum overflowing float32).
+            finite = overlap.claimed.all_finite()
+            overlap.finite_agreed = True
+            if not finite:
+                overlap.discard_claimed()  # the sums were never written
+            return finite
         # torch's own sums: a `keras.ops` call costs more than the sum of a
         # small gradient.
         return all_finite(grads, sums_are_finite=_sums_are_finite)
+
+
+def _overlap_of(optimizer):
+    """The `torch_overlap.Overlap` of `optimizer`, or `None`."""
+    sync = getattr(optimizer, "_accum_window_sync", None)
+    return None if sync is None else sync.overlap
 
 
 def _buckets(tensors, bucket_bytes):

@@ -55,6 +55,8 @@ class WindowStep:
         """
         # What arrived beside the arguments is taken first: a call that
         # raises leaves nothing behind for the next one.
+        if self._accumulates:
+            self._accum_begin_apply()
         micro_batch, checked = self._accum_inputs(
             _inputs.take(self), weight, loss
         )
@@ -128,6 +130,9 @@ class WindowStep:
             return
         grads = self._accum_gradients_of_every_variable(
             grads, trainable_variables
+        )
+        self._accum_check_gradients(
+            grads, micro_batch.weight, micro_batch.scaled
         )
         with keras.name_scope(self.name, caller=self):
             enters = self._accum_enters_window(grads, micro_batch)
