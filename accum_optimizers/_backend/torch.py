@@ -86,10 +86,24 @@ class TorchAccumulation(Accumulation):
     def _accum_note_loss(self, loss):
         super()._accum_note_loss(loss.detach())
 
-    def _accum_all_finite(self, grads):
+    def _accum_all_finite(self, grads, squares=None):
         # torch's own sums: a `keras.ops` call costs more than the sum of a
         # small gradient.
-        return all_finite(grads, sums_are_finite=_sums_are_finite)
+        return all_finite(
+            grads, sums_are_finite=_sums_are_finite, squares=squares
+        )
+
+    @torch.no_grad()
+    def _accum_sums_of_squares(self, grads):
+        # One fused kernel per gradient (`torch.linalg.vector_norm` squares
+        # and sums in one pass), without `keras.ops`' per-call cost.
+        return [
+            torch.linalg.vector_norm(
+                torch.as_tensor(grad), dtype=torch.float32
+            ).square()
+            for grad in grads
+            if grad is not None
+        ]
 
 
 def _buckets(tensors, bucket_bytes):
