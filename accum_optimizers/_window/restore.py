@@ -196,12 +196,18 @@ def _absent_from_0_1_0(state):
 def _window_without_noise(window, state):
     """A window saved without the noise scale's variables (this layout
     before they existed, or `measure_noise_scale=False`) in `state`'s
-    layout: nothing measured yet, the window's sums zero."""
+    layout: nothing measured yet. A pending window's first micro-batches
+    were not measured: its count is NaN, so that it gives no estimate."""
+    pending = int(np.asarray(window[0])) > 0
     saved = iter(window)
-    upgraded = [
-        np.zeros((), variable.dtype) if variable.noise_scale else next(saved)
-        for variable in state
-    ]
+    upgraded = []
+    for variable in state:
+        if not variable.noise_scale:
+            upgraded.append(next(saved))
+        elif variable.name == "noise_micro_batches" and pending:
+            upgraded.append(np.asarray(np.nan, variable.dtype))
+        else:
+            upgraded.append(np.zeros((), variable.dtype))
     return upgraded + list(saved)
 
 
