@@ -354,3 +354,90 @@ def test_fit_with_windows_that_grow_to_the_noise_scale_equals_the_parent():
         )
         start += size
     assert_same_weights(model, reference)
+
+
+@pytest.mark.skipif(
+    not hasattr(keras.optimizers, "MultiOptimizer"),
+    reason="this Keras has no MultiOptimizer",
+)
+def test_a_multi_optimizer_s_inner_optimizers_each_measure_their_own():
+    """Each inner optimizer measures the gradients of its own variables;
+    the logger sums their components, whose ratio is the model's."""
+    kernel = keras.Variable(np.ones((3, 5), "float32"), name="kernel")
+    bias = keras.Variable(np.zeros((5,), "float32"), name="bias")
+    inner = [
+        SGDAccumulate(0.1, accum_iters=3, measure_noise_scale=True),
+        AdamAccumulate(0.05, accum_iters=3, measure_noise_scale=True),
+    ]
+    multi = keras.optimizers.MultiOptimizer(
+        keras.optimizers.OptimizerMap(inner[0], {".*bias": inner[1]})
+    )
+    steps = [s[:2] for s in _micro_batches(7, 3)]
+    for grads in steps:
+        multi.apply(
+            [keras.ops.convert_to_tensor(g) for g in grads], [kernel, bias]
+        )
+    for i, optimizer in enumerate(inner):
+        alone = [[s[i]] for s in steps]
+        sq_norm, trace = _estimates_of(alone)
+        _assert_close(_value(optimizer.window_noise_trace), trace, i)
+        _assert_close(_value(optimizer.window_gradient_sq_norm), sq_norm, i)
+    # The components add over variables: their sums' ratio is the model's.
+    sq_norm, trace = _estimates_of(steps)
+    summed = [
+        sum(_value(o.gradient_sq_norm) for o in inner),
+        sum(_value(o.gradient_noise_trace) for o in inner),
+    ]
+    np.testing.assert_allclose(summed, [sq_norm, trace], rtol=5e-4)
+
+
+def _estimates_of(window):
+    """`_estimates` for micro-batches of weight 1 holding any variables."""
+    sq_norms = [
+        sum((g.astype("float64") ** 2).sum() for g in s) for s in window
+    ]
+    small = np.mean(sq_norms)
+    mean = [np.mean([s[i] for s in window], 0) for i in range(len(window[0]))]
+    big = sum((m.astype("float64") ** 2).sum() for m in mean)
+    m = len(window)
+    return (m * big - small) / (m - 1), (small - big) / (1 - 1 / m)
+
+
+def test_the_logger_writes_the_noise_scale_to_history_and_tensorboard(
+    tmp_path,
+):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing import event_accumulator
+    from tensorboard.util import tensor_util
+
+    x, y = regression_data(4, 48)
+    model = small_model(0)
+    optimizer = AdamAccumulate(accum_iters=3, measure_noise_scale=True)
+    model.compile(optimizer=optimizer, loss="mse")
+    logger = AccumulationLogger(log_dir=tmp_path, update_freq="batch")
+    history = model.fit(
+        x,
+        y,
+        batch_size=4,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[logger],
+    )
+    assert history.history["noise_scale"][-1] == _value(optimizer.noise_scale)
+    assert len(logger.windows["noise_scale"]) == 8  # one per update
+    accumulator = event_accumulator.EventAccumulator(
+        str(tmp_path / "train"), size_guidance={event_accumulator.TENSORS: 0}
+    )
+    accumulator.Reload()
+    points = [
+        (e.step, float(tensor_util.make_ndarray(e.tensor_proto)))
+        for e in accumulator.Tensors("accumulation/noise_scale")
+        if e.step > 0  # (the first batch's point, before any update)
+    ]
+    assert [step for step, _ in points] == list(range(1, 9))
+    np.testing.assert_allclose(
+        [value for _, value in points],
+        logger.windows["noise_scale"],
+        rtol=1e-6,
+    )
