@@ -293,6 +293,7 @@ def test_bad_arguments_are_refused_by_name(arguments, match):
         ({"micro_batch_size": 8, "floor": 1}, "floor=1"),
         ({"micro_batch_size": 8, "floor": 4, "ceiling": 3}, "ceiling=3"),
         ({"micro_batch_size": 8, "grow_only": "yes"}, "grow_only='yes'"),
+        ({"micro_batch_size": 8, "warmup_windows": -1}, "warmup_windows=-1"),
     ],
 )
 def test_by_noise_scale_refuses_bad_arguments_by_name(arguments, match):
@@ -328,7 +329,9 @@ def test_fit_with_windows_that_grow_to_the_noise_scale_equals_the_parent():
     model = small_model(0)
     ours = SGDAccumulate(
         learning_rate=schedules.by_samples(decay),
-        accum_iters=schedules.by_noise_scale(batch, floor=2, ceiling=8),
+        accum_iters=schedules.by_noise_scale(
+            batch, floor=2, ceiling=8, warmup_windows=3
+        ),
         measure_noise_scale=True,
         noise_scale_momentum=0.5,
     )

@@ -31,6 +31,7 @@ turns them into the estimates. No parameter-sized buffer.
 import numpy as np
 from keras import ops
 
+from accum_optimizers import schedules
 from accum_optimizers._finite import masked
 
 # The moving averages, in `WINDOW_STATE`.
@@ -144,19 +145,35 @@ class WindowNoise:
             getattr(self, f"_accum_{name}").assign(value)
         noise_scale = _ratio(averages[1], averages[0], averages[2])
         largest = self._accum_largest_noise_scale.value
+        counted = ops.logical_and(valid, self._accum_noise_ready(averages[2]))
         self._accum_largest_noise_scale.assign(
-            ops.where(valid, ops.maximum(largest, noise_scale), largest)
+            ops.where(counted, ops.maximum(largest, noise_scale), largest)
+        )
+
+    def _accum_noise_ready(self, weight):
+        """Whether averages of total `weight` hold the `warmup_windows` of
+        a `by_noise_scale` schedule (any estimate without one): the first
+        estimates are too noisy to grow a window on."""
+        schedule = self._accum_schedule
+        warmup = 0
+        if schedules.keyed_on_noise_scale(schedule):
+            warmup = schedule.warmup_windows
+        return ops.greater_equal(
+            weight, _warm_weight(self.noise_scale_momentum, warmup)
         )
 
     def _accum_noise_key(self, schedule):
         """What a `by_noise_scale` schedule is keyed on: the largest noise
-        scale measured (`grow_only`) or the current one (NaN before the
-        first estimate)."""
+        scale measured since its warm-up (`grow_only`) or the current one
+        (NaN before its warm-up ends)."""
         if not self.built or not self._accumulates:
             return ops.convert_to_tensor(float("nan"), "float32")
         if schedule.grow_only:
             return self._accum_largest_noise_scale.value
-        return self._accum_noise_read("noise_scale")
+        ready = self._accum_noise_ready(self._accum_noise_average_weight.value)
+        return ops.where(
+            ready, self._accum_noise_read("noise_scale"), float("nan")
+        )
 
     def _accum_noise_read(self, what):
         """One read-out as a float32 scalar (NaN where not measured)."""
@@ -228,14 +245,24 @@ def _ratio(trace, sq_norm, weight):
     return ops.where(weight > 0, ratio, float("nan"))
 
 
-def saved_noise_key(values, grow_only):
-    """The `by_noise_scale` key a saved state holds (`values`: the window
-    variables' saved values by name; see `restore.lasting_values`)."""
+def _warm_weight(momentum, windows):
+    """The total weight of averages over `windows` estimates, less
+    float32's round-off (0 for none)."""
+    if windows <= 0:
+        return 0.0
+    return (1.0 - momentum**windows) * (1.0 - 1e-5)
+
+
+def saved_noise_key(values, schedule, momentum):
+    """The key of `schedule` (a `by_noise_scale`) a saved state holds
+    (`values`: the window variables' saved values by name; see
+    `restore.lasting_values`), with the averages' `momentum`."""
     if "largest_noise_scale" not in values:
         return np.float32(np.nan)
-    if grow_only:
+    if schedule.grow_only:
         return np.float32(values["largest_noise_scale"])
     sq_norm, trace, weight = (float(values[name]) for name in _AVERAGES)
-    if weight <= 0:
+    warm = _warm_weight(momentum, schedule.warmup_windows)
+    if weight <= 0 or weight < warm:
         return np.float32(np.nan)
     return np.float32(trace / sq_norm if sq_norm > 0 else np.inf)

@@ -67,7 +67,7 @@ class WindowRestore:
         state = self._accum_layout.state
         if schedules.keyed_on_noise_scale(schedule):
             values = lasting_values(parent, window, state)
-            key = saved_noise_key(values, schedule.grow_only)
+            key = saved_noise_key(values, schedule, self.noise_scale_momentum)
         elif schedules.keyed_on_samples(schedule):
             key = np.float32(saved_samples_seen(parent, window, state))
         else:
