@@ -264,6 +264,27 @@ class GradientAccumulation(
         self._accum_iters = accum_iters
 
     @property
+    def measure_noise_scale(self):
+        """Whether the optimizer measures the gradient noise scale (see
+        `noise_scale`)."""
+        return self._accum_measure_noise_scale
+
+    @measure_noise_scale.setter
+    def measure_noise_scale(self, measure):
+        layout = self.__dict__.get("_accum_layout")
+        carries = layout is not None and any(
+            variable.noise_scale for variable in layout.state
+        )
+        if measure and layout is not None and not carries:
+            raise ValueError(
+                f"Cannot set `measure_noise_scale` of '{self.name}' to True: "
+                "it was built without the measurement's variables. Pass "
+                "`measure_noise_scale=True` when making the optimizer. "
+                f"Received: measure_noise_scale={measure!r}"
+            )
+        self._accum_measure_noise_scale = measure
+
+    @property
     def _accumulates(self):
         """Whether the optimizer has a window, decided once, when it is
         built: False for `accum_iters=1` (the parent optimizer unchanged),

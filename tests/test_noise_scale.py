@@ -444,3 +444,10 @@ def test_the_logger_writes_the_noise_scale_to_history_and_tensorboard(
         logger.windows["noise_scale"],
         rtol=1e-6,
     )
+
+
+def test_an_optimizer_built_without_the_measurement_refuses_it_later():
+    optimizer = AdamAccumulate(accum_iters=2)
+    optimizer.build(_variables())
+    with pytest.raises(ValueError, match="measure_noise_scale=True"):
+        optimizer.measure_noise_scale = True
