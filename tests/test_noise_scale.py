@@ -451,3 +451,35 @@ def test_an_optimizer_built_without_the_measurement_refuses_it_later():
     optimizer.build(_variables())
     with pytest.raises(ValueError, match="measure_noise_scale=True"):
         optimizer.measure_noise_scale = True
+
+
+@pytest.mark.backends("tensorflow")
+def test_tf_distribute_with_several_replicas_is_refused_by_name(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    out = tmp_path / "results.json"
+    result = subprocess.run(
+        [sys.executable, str(here / "noise_mirrored_worker.py"), str(out)],
+        cwd=here,
+        env=dict(
+            os.environ,
+            TF_CPP_MIN_LOG_LEVEL="3",
+            KERAS_BACKEND="tensorflow",
+            PYTHONPATH=os.pathsep.join(
+                [str(here.parent), os.environ.get("PYTHONPATH", "")]
+            ),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["replicas"] == 2
+    assert "measure_noise_scale=True" in results["error"]
+    assert "num_replicas_in_sync=2" in results["error"]
