@@ -483,3 +483,46 @@ def test_tf_distribute_with_several_replicas_is_refused_by_name(tmp_path):
     assert results["replicas"] == 2
     assert "measure_noise_scale=True" in results["error"]
     assert "num_replicas_in_sync=2" in results["error"]
+
+
+def test_a_keras_file_resumes_a_window_sized_by_the_noise_scale(tmp_path):
+    """Saved mid-window under `by_noise_scale`: the loaded model's window
+    has the size the saved measurement gives, and it continues as the
+    uninterrupted run (the oracle: that run, in the same process)."""
+    x, y = regression_data(8, 96)
+
+    def make():
+        model = small_model(0)
+        model.compile(
+            optimizer=SGDAccumulate(
+                learning_rate=0.05,
+                accum_iters=schedules.by_noise_scale(
+                    1, floor=2, ceiling=5, warmup_windows=2
+                ),
+                measure_noise_scale=True,
+                noise_scale_momentum=0.5,
+            ),
+            loss="mse",
+        )
+        return model
+
+    whole = make()
+    whole.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    first = make()
+    first.fit(x[:44], y[:44], batch_size=4, shuffle=False, verbose=0)
+    assert int(to_numpy(first.optimizer.micro_steps)) > 0  # mid-window
+    path = tmp_path / "model.keras"
+    first.save(path)
+    loaded = keras.saving.load_model(path)
+    assert loaded.optimizer.measure_noise_scale is True
+    assert loaded.optimizer.current_accum_iters == (
+        first.optimizer.current_accum_iters
+    )
+    loaded.fit(x[44:], y[44:], batch_size=4, shuffle=False, verbose=0)
+    assert_same_weights(loaded, whole, rtol=1e-5, atol=1e-6)
+    for name in ("noise_scale", "window_noise_trace", "iterations"):
+        np.testing.assert_allclose(
+            _value(getattr(loaded.optimizer, name)),
+            _value(getattr(whole.optimizer, name)),
+            rtol=1e-5,
+        )
