@@ -16,6 +16,8 @@ from accum_optimizers import _tensorboard
 from accum_optimizers import schedules
 from accum_optimizers._inner import accumulating_optimizers
 from accum_optimizers._inner import count_updates_in_multi_optimizer
+from accum_optimizers._window.noise import measuring
+from accum_optimizers._window.noise import read_outs_of
 from accum_optimizers.layers import AccumBatchNormalization
 
 
@@ -345,7 +347,7 @@ class AccumulationLogger(keras.callbacks.Callback):
         self._epoch_batches = 0
         self._written = None
         self._record = _WINDOW_RECORD
-        if _measuring(_accumulating(self.model, "AccumulationLogger")):
+        if measuring(_accumulating(self.model, "AccumulationLogger")):
             self._record = _WINDOW_RECORD + _NOISE_RECORD
         self.windows = {name: [] for name in self._record}
         if self.log_dir is not None:
@@ -424,9 +426,9 @@ class AccumulationLogger(keras.callbacks.Callback):
             ),
             "samples_seen": float(ops.convert_to_numpy(optimizer.samples_seen)),
         }
-        optimizers = _measuring(_accumulating(self.model, "AccumulationLogger"))
+        optimizers = measuring(_accumulating(self.model, "AccumulationLogger"))
         if optimizers:
-            metrics.update(_noise_metrics(optimizers))
+            metrics.update(read_outs_of(optimizers))
         if isinstance(logs, dict):
             logs["updates"] = updates
             logs["micro_steps"] = micro_steps
@@ -491,34 +493,6 @@ _WINDOW_RECORD = (
 
 # What it records besides, with `measure_noise_scale=True`.
 _NOISE_RECORD = ("noise_scale", "gradient_sq_norm", "gradient_noise_trace")
-
-
-def _measuring(optimizers: list) -> list:
-    """The optimizers of `optimizers` that measure the noise scale."""
-    return [o for o in optimizers if o.measure_noise_scale]
-
-
-def _noise_metrics(optimizers: list) -> dict:
-    """The noise scale's read-outs over `optimizers`: one optimizer's own,
-    or the components summed (a `MultiOptimizer`'s inner ones each see
-    their own variables' gradients) and their ratio."""
-    sq_norm = sum(
-        float(ops.convert_to_numpy(o.gradient_sq_norm)) for o in optimizers
-    )
-    trace = sum(
-        float(ops.convert_to_numpy(o.gradient_noise_trace)) for o in optimizers
-    )
-    if len(optimizers) == 1:
-        noise_scale = float(ops.convert_to_numpy(optimizers[0].noise_scale))
-    elif np.isnan(sq_norm) or np.isnan(trace):
-        noise_scale = float("nan")
-    else:
-        noise_scale = trace / sq_norm if sq_norm > 0 else float("inf")
-    return {
-        "noise_scale": noise_scale,
-        "gradient_sq_norm": sq_norm,
-        "gradient_noise_trace": trace,
-    }
 
 
 def _is_positive_int(value: Any) -> bool:

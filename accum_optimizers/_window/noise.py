@@ -266,3 +266,32 @@ def saved_noise_key(values, schedule, momentum):
     if weight <= 0 or weight < warm:
         return np.float32(np.nan)
     return np.float32(trace / sq_norm if sq_norm > 0 else np.inf)
+
+
+def measuring(optimizers):
+    """The optimizers of `optimizers` that measure the noise scale."""
+    return [o for o in optimizers if o.measure_noise_scale]
+
+
+def read_outs_of(optimizers):
+    """`{noise_scale, gradient_sq_norm, gradient_noise_trace}` as floats
+    over `optimizers` (those that measure): one optimizer's own, or the
+    components summed (a `MultiOptimizer`'s inner ones each see their own
+    variables' gradients) and their ratio."""
+    sq_norm = sum(
+        float(ops.convert_to_numpy(o.gradient_sq_norm)) for o in optimizers
+    )
+    trace = sum(
+        float(ops.convert_to_numpy(o.gradient_noise_trace)) for o in optimizers
+    )
+    if len(optimizers) == 1:
+        noise_scale = float(ops.convert_to_numpy(optimizers[0].noise_scale))
+    elif np.isnan(sq_norm) or np.isnan(trace):
+        noise_scale = float("nan")
+    else:
+        noise_scale = trace / sq_norm if sq_norm > 0 else float("inf")
+    return {
+        "noise_scale": noise_scale,
+        "gradient_sq_norm": sq_norm,
+        "gradient_noise_trace": trace,
+    }
