@@ -55,14 +55,20 @@ from accum_optimizers._backend import BackendAccumulation
 from accum_optimizers._validation import LOW_PRECISION_DTYPES
 from accum_optimizers._window.close import WindowClose
 from accum_optimizers._window.counts import WindowCounts
+from accum_optimizers._window.noise import WindowNoise
 from accum_optimizers._window.restore import WindowRestore
-from accum_optimizers._window.spec import WINDOW_STATE
 from accum_optimizers._window.spec import Layout
+from accum_optimizers._window.spec import window_state
 from accum_optimizers._window.step import WindowStep
 
 
 class GradientAccumulation(
-    WindowStep, WindowClose, WindowCounts, WindowRestore, BackendAccumulation
+    WindowStep,
+    WindowClose,
+    WindowCounts,
+    WindowNoise,
+    WindowRestore,
+    BackendAccumulation,
 ):
     """Mixin that makes a Keras optimizer accumulate gradients.
 
@@ -112,6 +118,8 @@ class GradientAccumulation(
                 stacklevel=2,
             )
         super().__init__(*arguments.args[1:], **arguments.kwargs)
+        self.measure_noise_scale = accumulation["measure_noise_scale"]
+        self.noise_scale_momentum = accumulation["noise_scale_momentum"]
         self.accum_iters = accum_iters
         self.skip_nonfinite = accumulation["skip_nonfinite"]
         self.accumulator_dtype = accumulation["accumulator_dtype"]
@@ -154,8 +162,9 @@ class GradientAccumulation(
         unbuilt = len(self.variables)
         super().build(variables)
         parent = len(self.variables)
+        state_declared = window_state(self.measure_noise_scale)
         if self._accumulates:
-            for state in WINDOW_STATE:
+            for state in state_declared:
                 variable = self._accum_add_variable(
                     f"accum_{state.name}",
                     shape=state.shape(len(variables)),
@@ -166,7 +175,9 @@ class GradientAccumulation(
             self._accum_sums = [
                 self._accum_add_sum(variable) for variable in variables
             ]
-        self._accum_layout = Layout(unbuilt, parent, len(self.variables))
+        self._accum_layout = Layout(
+            unbuilt, parent, len(self.variables), state_declared
+        )
         pending = self.__dict__.pop("_accum_pending_restore", None)
         if pending is not None:
             with self._accum_outside_compiled_code():
@@ -230,6 +241,14 @@ class GradientAccumulation(
             accum_iters = dict(schedule.boundaries)
         else:
             accum_iters = schedule
+        if schedules.keyed_on_noise_scale(accum_iters) and not getattr(
+            self, "measure_noise_scale", True
+        ):
+            raise ValueError(
+                "`accum_iters=by_noise_scale(...)` follows the measured "
+                "noise scale: pass `measure_noise_scale=True` too. Received: "
+                f"accum_iters={accum_iters!r}, measure_noise_scale=False"
+            )
         layout = self.__dict__.get("_accum_layout")
         if layout is not None and not layout.has_window:
             needs_window = not isinstance(accum_iters, int) or accum_iters > 1
@@ -245,12 +264,33 @@ class GradientAccumulation(
         self._accum_iters = accum_iters
 
     @property
+    def measure_noise_scale(self):
+        """Whether the optimizer measures the gradient noise scale (see
+        `noise_scale`)."""
+        return self._accum_measure_noise_scale
+
+    @measure_noise_scale.setter
+    def measure_noise_scale(self, measure):
+        layout = self.__dict__.get("_accum_layout")
+        carries = layout is not None and any(
+            variable.noise_scale for variable in layout.state
+        )
+        if measure and layout is not None and not carries:
+            raise ValueError(
+                f"Cannot set `measure_noise_scale` of '{self.name}' to True: "
+                "it was built without the measurement's variables. Pass "
+                "`measure_noise_scale=True` when making the optimizer. "
+                f"Received: measure_noise_scale={measure!r}"
+            )
+        self._accum_measure_noise_scale = measure
+
+    @property
     def _accumulates(self):
         """Whether the optimizer has a window, decided once, when it is
         built: False for `accum_iters=1` (the parent optimizer unchanged),
         unless the window's state is needed anyway: to skip non-finite
-        micro-batches, or to count samples for a learning rate keyed on
-        them."""
+        micro-batches, to measure the noise scale, or to count samples for
+        a learning rate keyed on them."""
         layout = self.__dict__.get("_accum_layout")
         if layout is not None:
             return layout.has_window
@@ -258,6 +298,7 @@ class GradientAccumulation(
             self._accum_schedule is not None
             or self.accum_iters > 1
             or self.skip_nonfinite
+            or self.measure_noise_scale
             or schedules.keyed_on_samples(self._learning_rate)
         )
 

@@ -46,6 +46,25 @@ def _check_skip_nonfinite(value):
     return bool(value)
 
 
+def _check_measure_noise_scale(value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(
+            "`measure_noise_scale` must be a bool. Received: "
+            f"measure_noise_scale={value!r}"
+        )
+    return bool(value)
+
+
+def _check_noise_scale_momentum(value):
+    number = isinstance(value, (int, float, np.integer, np.floating))
+    if not number or isinstance(value, (bool, np.bool_)) or not 0 <= value < 1:
+        raise ValueError(
+            "`noise_scale_momentum` must be a number in [0, 1). Received: "
+            f"noise_scale_momentum={value!r}"
+        )
+    return float(value)
+
+
 def _keep(value):
     return value
 
@@ -74,6 +93,28 @@ ARGUMENTS = (
         any replica's gradients are not finite. `skipped_micro_batches`
         counts them. Defaults to `False`.""",
         _check_skip_nonfinite,
+    ),
+    Argument(
+        "measure_noise_scale",
+        False,
+        """Boolean. Measure the gradient noise scale of
+        McCandlish et al. (2018), `B_simple = tr(Sigma) / |G|^2`, the
+        batch beyond which a bigger batch stops paying, from each window's
+        micro-batch gradients and their mean (see `noise_scale`). Costs
+        one sum of squares per gradient per micro-step (shared with
+        `skip_nonfinite`'s check) and nine scalars. Defaults to
+        `False`.""",
+        _check_measure_noise_scale,
+    ),
+    Argument(
+        "noise_scale_momentum",
+        0.99,
+        """Float in `[0, 1)`. The momentum of the moving
+        averages of the noise scale's two estimates, over the windows
+        that give one: each such window's estimate enters with weight
+        `1 - noise_scale_momentum`, and the averages are divided by their
+        total weight. Defaults to `0.99`.""",
+        _check_noise_scale_momentum,
     ),
     Argument(
         "accumulator_dtype",

@@ -18,7 +18,7 @@ from accum_optimizers._validation import LOW_PRECISION_DTYPES
 from accum_optimizers._validation import concrete_value
 
 
-def all_finite(grads, sums_are_finite=None):
+def all_finite(grads, sums_are_finite=None, squares=None):
     """Whether every entry of every gradient (`None`s and the indices of
     `IndexedSlices` ignored) is finite: a Python `bool` where the
     gradients are concrete, else a traced scalar bool.
@@ -28,11 +28,18 @@ def all_finite(grads, sums_are_finite=None):
         sums_are_finite: Optional function of the gradients' entries
             returning whether each one's sum is finite, a backend's own
             (see `_backend`). Defaults to one in `keras.ops`.
+        squares: Optional float32 sum of squares of each gradient
+            (`sums_of_squares`), already computed for the noise scale: a
+            sum of squares is not finite where an entry is not, so they
+            answer instead of a pass of sums of their own.
     """
     values = [_wide(_entries(grad)) for grad in grads if grad is not None]
     if not values:
         return True
-    probably = (sums_are_finite or _sums_are_finite)(values)
+    if squares is not None:
+        probably = ops.all(ops.isfinite(ops.stack(squares)))
+    else:
+        probably = (sums_are_finite or _sums_are_finite)(values)
     known = concrete_value(probably)
     if known is not None:
         return bool(known) or bool(concrete_value(_exactly_finite(values)))
@@ -41,6 +48,17 @@ def all_finite(grads, sums_are_finite=None):
         lambda: ops.convert_to_tensor(True),
         lambda: _exactly_finite(values),
     )
+
+
+def sums_of_squares(grads):
+    """The float32 sum of squares of each gradient's entries, `None`s left
+    out (an `IndexedSlices`' values: the caller merges repeated indices
+    first)."""
+    return [
+        ops.sum(ops.square(ops.cast(_entries(grad), "float32")))
+        for grad in grads
+        if grad is not None
+    ]
 
 
 def masked(value, finite):

@@ -16,6 +16,8 @@ from accum_optimizers import _tensorboard
 from accum_optimizers import schedules
 from accum_optimizers._inner import accumulating_optimizers
 from accum_optimizers._inner import count_updates_in_multi_optimizer
+from accum_optimizers._window.noise import measuring
+from accum_optimizers._window.noise import read_outs_of
 from accum_optimizers.layers import AccumBatchNormalization
 
 
@@ -211,7 +213,12 @@ class AccumulationLogger(keras.callbacks.Callback):
     - `skipped_micro_batches`: micro-batches left out for non-finite
       gradients (`skip_nonfinite=True`);
     - `samples_seen`: the total weight of the applied windows (samples
-      under `weigh_micro_batches`, micro-batches otherwise).
+      under `weigh_micro_batches`, micro-batches otherwise);
+    - with `measure_noise_scale=True`: `noise_scale` (`B_simple`, in the
+      unit of `samples_seen`), `gradient_sq_norm` and
+      `gradient_noise_trace`, its two moving averages (under a
+      `MultiOptimizer`, the components summed over the inner optimizers
+      that measure them, and their ratio).
 
     The progress bar then shows them beside the loss, `History` records
     their values at each epoch's end, and callbacks listed after this one
@@ -235,8 +242,8 @@ class AccumulationLogger(keras.callbacks.Callback):
       not keyed on samples; a flushed partial window averages over fewer
       samples);
     - `accumulation/window_loss`, `accumulation/window_grad_norm`,
-      `accumulation/skipped_micro_batches`, `accumulation/samples_seen`:
-      as in `logs`.
+      `accumulation/skipped_micro_batches`, `accumulation/samples_seen`
+      and the noise scale's three: as in `logs`.
 
     A point is written at each epoch's end and, with `update_freq`, after
     batches that applied an update. The event file is written by the
@@ -267,8 +274,9 @@ class AccumulationLogger(keras.callbacks.Callback):
     Attributes:
         windows: dict of lists, one item per applied update seen by the
             logger: `updates`, `window_loss`, `window_grad_norm`,
-            `skipped_micro_batches`, `samples_seen` and `window_fill`
-            (`micro_steps / accum_iters` when it was seen).
+            `skipped_micro_batches`, `samples_seen`, `window_fill`
+            (`micro_steps / accum_iters` when it was seen) and, when the
+            noise scale is measured, its three.
     """
 
     def __init__(
@@ -338,7 +346,10 @@ class AccumulationLogger(keras.callbacks.Callback):
         self._batches = 0
         self._epoch_batches = 0
         self._written = None
-        self.windows = {name: [] for name in _WINDOW_RECORD}
+        self._record = _WINDOW_RECORD
+        if measuring(_accumulating(self.model, "AccumulationLogger")):
+            self._record = _WINDOW_RECORD + _NOISE_RECORD
+        self.windows = {name: [] for name in self._record}
         if self.log_dir is not None:
             self._writer = _tensorboard.scalar_writer(
                 os.path.join(self.log_dir, "train")
@@ -422,6 +433,9 @@ class AccumulationLogger(keras.callbacks.Callback):
             ),
             "samples_seen": float(ops.convert_to_numpy(optimizer.samples_seen)),
         }
+        optimizers = measuring(_accumulating(self.model, "AccumulationLogger"))
+        if optimizers:
+            metrics.update(read_outs_of(optimizers))
         if isinstance(logs, dict):
             logs["updates"] = updates
             logs["micro_steps"] = micro_steps
@@ -431,7 +445,7 @@ class AccumulationLogger(keras.callbacks.Callback):
             record = dict(
                 metrics, updates=updates, window_fill=micro_steps / accum_iters
             )
-            for name in _WINDOW_RECORD:
+            for name in self.windows:
                 self.windows[name].append(record[name])
         if self._writer is None:
             return
@@ -448,9 +462,12 @@ class AccumulationLogger(keras.callbacks.Callback):
             "window_fill": micro_steps / accum_iters,
             **metrics,
         }
-        keyed_on_samples = schedules.keyed_on_samples(optimizer.accum_iters)
+        keyed_on_samples = schedules.keyed_on_samples(
+            optimizer.accum_iters
+        ) or schedules.keyed_on_noise_scale(optimizer.accum_iters)
         if self.batch_size is not None and not keyed_on_samples:
-            # (Keyed on samples, the size of a past window is not known.)
+            # (Keyed on samples or the noise scale, the size of a past
+            # window is not known.)
             # The window that produced update `updates` (counting from 1)
             # had the size the schedule gave at `updates - 1`.
             produced = int(
@@ -479,6 +496,10 @@ _WINDOW_RECORD = (
     "samples_seen",
     "window_fill",
 )
+
+
+# What it records besides, with `measure_noise_scale=True`.
+_NOISE_RECORD = ("noise_scale", "gradient_sq_norm", "gradient_noise_trace")
 
 
 def _is_positive_int(value: Any) -> bool:

@@ -294,3 +294,10 @@ def _count(update):
 
 def _dtype(value):
     return keras.backend.standardize_dtype(value.dtype)
+
+
+# Keyed on the measured noise scale: a module of its own, which subclasses
+# `AccumSchedule` above.
+from accum_optimizers._noise_schedule import NoiseScaleAccumIters  # noqa: E402, F401
+from accum_optimizers._noise_schedule import by_noise_scale  # noqa: E402, F401
+from accum_optimizers._noise_schedule import keyed_on_noise_scale  # noqa: E402, F401

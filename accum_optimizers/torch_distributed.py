@@ -124,6 +124,15 @@ def sync_windows(
             f"`model.build(...)`) first. Received: model={model.name!r} "
             "with no trainable variables."
         )
+    if model is not None and getattr(optimizer, "measure_noise_scale", False):
+        raise ValueError(
+            "sync_windows(model=...) exchanges the window's last gradients "
+            "during the backward pass, before the measurement of the noise "
+            "scale reads them: the two together are not supported yet. Pass "
+            "model=None (the exchange at the window's close) or "
+            "measure_noise_scale=False. Received: model="
+            f"{model.name!r}, measure_noise_scale=True"
+        )
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(
             "sync_windows() needs torch.distributed initialized "

@@ -4,6 +4,7 @@
                                                      [--windows 100]
     KERAS_BACKEND=tensorflow python -m benchmarks.window_steps [--xla]
     KERAS_BACKEND=torch python -m benchmarks.window_steps [--skip-nonfinite]
+                                                     [--noise-scale]
                                                      [--micro-batch 128]
 
 Compiles Keras' own `train_step` the way `model.fit` does on the backend
@@ -20,8 +21,12 @@ window and, on JAX, the number of `copy` instructions in the compiled
 step. Ours should cost the ceiling on steps 1-3 and the parent on step 4.
 `--skip-nonfinite` times the parent, ours and ours with
 `skip_nonfinite=True` (`ours_k4_skip`), the last two on one model and
-optimizer, for the cost of the check. `--micro-batch` sets the samples
-per micro-batch (default: the workload's).
+optimizer, for the cost of the check. `--noise-scale` times the parent,
+ours and ours with `measure_noise_scale=True` (`ours_k4_noise`), and with
+`--skip-nonfinite` too both together (`ours_k4_skip_noise`, one pass of
+squares for the check and the measurement), on one model built with the
+measurement. `--micro-batch` sets the samples per micro-batch (default:
+the workload's).
 """
 
 import argparse
@@ -93,34 +98,51 @@ def compiled_step(
     return step_runner(model, (x[:batch], y[:batch]), xla)
 
 
-def skip_toggled_steps(workload, optimizer_name, xla=False, micro_batch=None):
+def skip_toggled_steps(
+    workload, optimizer_name, xla=False, micro_batch=None, noise_scale=False
+):
     """Returns `{config: (step, copies)}` for `ours_k4` and `ours_k4_skip`
     on one model and optimizer, `skip_nonfinite` set before each call (read
     when the step is traced, or at each call eagerly): the two differ by
     the check alone, not by where their buffers lie (two builds of one
     configuration differ by more than the check costs). `micro_batch` as
-    in `compiled_step`."""
+    in `compiled_step`. With `noise_scale`, the model's optimizer is built
+    with `measure_noise_scale=True` and the measurement is toggled the
+    same way (`ours_k4_noise`, and with `skip` too, `ours_k4_skip_noise`),
+    its variables present in every configuration."""
     batch = micro_batch or workloads.WORKLOADS[workload][0]
     x, y = workloads.data(workload, batch * 8)
+    built_as = "ours_k4_noise" if noise_scale else "ours_k4"
     model, _ = worker.compiled_model(
-        workload, "ours_k4", optimizer_name, xla, contextlib.nullcontext
+        workload, built_as, optimizer_name, xla, contextlib.nullcontext
     )
     model.fit(x, y, batch_size=batch, verbose=0)
     optimizer = model.optimizer
+    settings = [("ours_k4", False, False), ("ours_k4_skip", True, False)]
+    if noise_scale:
+        settings += [
+            ("ours_k4_noise", False, True),
+            ("ours_k4_skip_noise", True, True),
+        ]
     steps = {}
-    for config, skip in (("ours_k4", False), ("ours_k4_skip", True)):
-        optimizer.skip_nonfinite = skip
+    for config, skip, measure in settings:
+        _set(optimizer, skip, measure)
         run, copies = step_runner(model, (x[:batch], y[:batch]), xla)
-        steps[config] = (_with_skip(optimizer, skip, run), copies)
+        steps[config] = (_with_settings(optimizer, skip, measure, run), copies)
     return steps
 
 
-def _with_skip(optimizer, skip, run):
-    def run_with_skip():
-        optimizer.skip_nonfinite = skip
+def _set(optimizer, skip, measure):
+    optimizer.skip_nonfinite = skip
+    optimizer.measure_noise_scale = measure
+
+
+def _with_settings(optimizer, skip, measure, run):
+    def run_with_settings():
+        _set(optimizer, skip, measure)
         run()
 
-    return run_with_skip
+    return run_with_settings
 
 
 def step_runner(model, data, xla=False):
@@ -175,6 +197,7 @@ def main(argv=None):
     )
     parser.add_argument("--xla", action="store_true")
     parser.add_argument("--skip-nonfinite", action="store_true")
+    parser.add_argument("--noise-scale", action="store_true")
     parser.add_argument(
         "--micro-batch",
         type=int,
@@ -201,16 +224,20 @@ def main(argv=None):
     print("|---|---|---|---|---|---|---|---|")
     for optimizer_name in args.optimizers:
         steps, copies = {}, {}
-        configs = ("parent",) if args.skip_nonfinite else CONFIGS
+        toggled = args.skip_nonfinite or args.noise_scale
+        configs = ("parent",) if toggled else CONFIGS
         for config in configs:
             steps[config], copies[config] = compiled_step(
                 args.workload, config, optimizer_name, args.xla, batch
             )
-        if args.skip_nonfinite:
-            toggled = skip_toggled_steps(
-                args.workload, optimizer_name, args.xla, batch
+        if toggled:
+            toggled_steps = skip_toggled_steps(
+                args.workload, optimizer_name, args.xla, batch, args.noise_scale
             )
-            for config, (step, copied) in toggled.items():
+            if not args.skip_nonfinite:
+                for config in ("ours_k4_skip", "ours_k4_skip_noise"):
+                    toggled_steps.pop(config, None)
+            for config, (step, copied) in toggled_steps.items():
                 steps[config], copies[config] = step, copied
         for config, ms in profile(steps, args.windows).items():
             cells = " | ".join(f"{m:.2f}" for m in ms)

@@ -86,6 +86,8 @@ def make_config(config, optimizer_name):
         return ours(accum_iters=K, **options), 1
     if config == "ours_k4_skip":
         return ours(accum_iters=K, skip_nonfinite=True, **options), 1
+    if config == "ours_k4_noise":
+        return ours(accum_iters=K, measure_noise_scale=True, **options), 1
     if config == "ours_k1":
         return ours(accum_iters=1, **options), 1
     if config == "ceiling":

@@ -92,7 +92,22 @@ CASES = {
         compare_weights=False,
         our_kwargs={"accumulator_dtype": "bfloat16"},
     ),
+    # The noise scale's scalars under a distribution: programs see global
+    # arrays, so it must measure what one device measures.
+    "adam_noise_scale": Case(
+        AdamAccumulate,
+        {"learning_rate": 0.01},
+        "data",
+        our_kwargs={"measure_noise_scale": True, "noise_scale_momentum": 0.5},
+    ),
 }
+
+# What the noise scale's case records, beside the same run on one device.
+NOISE_READOUTS = (
+    "noise_scale",
+    "window_noise_trace",
+    "window_gradient_sq_norm",
+)
 
 # Where the parent Keras optimizers keep their per-variable slots.
 _PARENT_SLOT_ATTRIBUTES = (
@@ -221,8 +236,21 @@ def _run_case(name, devices, x, y):
             distribution.get_data_layout((MICRO_BATCH, x.shape[1])).axes
         )
     assert keras.distribution.distribution() is None
+    noise = {}
+    if case.our_kwargs.get("measure_noise_scale"):
+        alone_model = small_model(SEED)
+        alone_model.set_weights(initial_weights)
+        alone = case.optimizer_class(
+            accum_iters=ACCUM_ITERS, **case.shared_kwargs, **case.our_kwargs
+        )
+        alone_model.compile(optimizer=alone, loss="mse")
+        alone_model.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, verbose=0)
+        for name in NOISE_READOUTS:
+            noise[name] = float(getattr(ours, name))
+            noise[f"one_device_{name}"] = float(getattr(alone, name))
     parent_state = parent.variables
     return {
+        "noise": noise,
         "parent_device_count": parent_device_count,
         "parent_iterations": int(parent.iterations),
         "parent_weights": [w.tolist() for w in parent_model.get_weights()],

@@ -352,6 +352,42 @@ def missing_gradients(rank, x, y, overlap):
     return {f"missing_{way}_w{i}": w for i, w in enumerate(model.get_weights())}
 
 
+def noise_gradients(rank, step):
+    """`(grads, weight)` of micro-step `step` on `rank` for
+    `noise_scale_across_ranks`: numpy draws, a weight per micro-batch."""
+    rng = np.random.default_rng(100 * rank + step)
+    model = small_model(0)
+    grads = [
+        (0.5 + rng.normal(size=tuple(v.shape))).astype("float32")
+        for v in model.trainable_variables
+    ]
+    return grads, float(1 + (rank + 2 * step) % 5)
+
+
+def noise_scale_across_ranks(rank):
+    """`measure_noise_scale` under `sync_windows`: each rank's micro-batch
+    is a small batch, the window over every rank the big one (keys
+    `noise_*`)."""
+    model = small_model(0)
+    optimizer = sync_windows(
+        SGDAccumulate(
+            learning_rate=0.01, accum_iters=K, measure_noise_scale=True
+        )
+    )
+    variables = model.trainable_variables
+    for step in range(K):
+        grads, weight = noise_gradients(rank, step)
+        optimizer.apply(
+            [torch.from_numpy(g) for g in grads], variables, weight=weight
+        )
+    return {
+        f"noise_{name}": float(
+            keras.ops.convert_to_numpy(getattr(optimizer, name))
+        )
+        for name in ("window_gradient_sq_norm", "window_noise_trace")
+    }
+
+
 def main(out):
     assert keras.backend.backend() == "torch"
     rank = int(os.environ["RANK"])
@@ -376,6 +412,7 @@ def main(out):
         results.update(weighted_overlap(rank, x, y))
         for overlap in (False, True):
             results.update(missing_gradients(rank, x, y, overlap))
+        results.update(noise_scale_across_ranks(rank))
         np.savez(Path(out) / f"rank{rank}.npz", **results)
     finally:
         dist.destroy_process_group()

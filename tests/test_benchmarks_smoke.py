@@ -83,6 +83,10 @@ PROFILES = [
         ],
         id="window_steps-adam-skip",
     ),
+    pytest.param(
+        ["--windows", "2", "--optimizers", "adam", "--noise-scale"],
+        id="window_steps-adam-noise",
+    ),
 ]
 
 
@@ -99,6 +103,9 @@ def test_window_profiler_runs_and_prints_its_table(arguments, capsys):
     assert len(rows) >= 4
     if "--skip-nonfinite" in arguments:
         assert "| ours_k4_skip |" in out
+    if "--noise-scale" in arguments:
+        assert "| ours_k4_noise |" in out
+        assert "ours_k4_skip" not in out
     if "--micro-batch" in arguments:
         assert "micro-batch 5," in out
 

@@ -142,3 +142,16 @@ def test_iterations_count_windows_and_none_is_pending(results, name):
     assert result["parent_iterations"] == WINDOWS
     assert result["micro_steps"] == 0
     assert result["micro_batches_seen"] == WINDOWS * ACCUM_ITERS
+
+
+def test_the_noise_scale_under_data_parallel_is_the_one_device_s(results):
+    # Programs see global arrays: each micro-batch is the global one, and
+    # the measurement is what the same run on one device measures.
+    from distribution_jax_worker import NOISE_READOUTS
+
+    noise = results["adam_noise_scale"]["noise"]
+    for name in NOISE_READOUTS:
+        assert np.isfinite(noise[name]), (name, noise)
+        np.testing.assert_allclose(
+            noise[name], noise[f"one_device_{name}"], rtol=1e-4, err_msg=name
+        )

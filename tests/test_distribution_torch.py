@@ -394,3 +394,48 @@ def test_overlap_weighted_uneven_shards_equal_one_process_global_batch(
     for key in chief:
         if key.startswith("weighted_overlap_w"):
             np.testing.assert_array_equal(other[key], chief[key])
+
+
+def test_sync_windows_measures_the_noise_scale_over_every_rank(ranks):
+    # Oracle: the paper's estimates in numpy, every rank's micro-batch a
+    # small batch and the window over all ranks the big one.
+    from distribution_torch_worker import WORLD_SIZE
+    from distribution_torch_worker import K
+    from distribution_torch_worker import noise_gradients
+
+    draws = [
+        noise_gradients(rank, step)
+        for rank in range(WORLD_SIZE)
+        for step in range(K)
+    ]
+    weights = np.asarray([w for _, w in draws])
+    sq_norms = [
+        sum((g.astype("float64") ** 2).sum() for g in grads)
+        for grads, _ in draws
+    ]
+    small = np.mean(sq_norms)
+    big_batch = weights.sum()
+    small_batch = len(draws) / (1.0 / weights).sum()
+    big = sum(
+        (
+            (
+                sum(w * grads[i].astype("float64") for grads, w in draws)
+                / big_batch
+            )
+            ** 2
+        ).sum()
+        for i in range(len(draws[0][0]))
+    )
+    sq_norm = (big_batch * big - small_batch * small) / (
+        big_batch - small_batch
+    )
+    trace = (small - big) / (1 / small_batch - 1 / big_batch)
+    for result in ranks:
+        np.testing.assert_allclose(
+            [
+                result["noise_window_gradient_sq_norm"],
+                result["noise_window_noise_trace"],
+            ],
+            [sq_norm, trace],
+            rtol=2e-4,
+        )

@@ -15,6 +15,7 @@ from keras import ops
 
 from accum_optimizers import _inputs
 from accum_optimizers._finite import all_finite
+from accum_optimizers._finite import sums_of_squares
 from accum_optimizers._window.spec import resetting_variables
 
 
@@ -182,7 +183,17 @@ class Accumulation:
         an argument nor through `_accum_note_loss`, or `None`."""
         return None
 
-    def _accum_all_finite(self, grads):
+    def _accum_all_finite(self, grads, squares=None):
         """Whether every entry of `grads` is finite (`skip_nonfinite`): a
-        bool, or a traced scalar bool."""
-        return all_finite(grads)
+        bool, or a traced scalar bool. `squares`: the gradients' sums of
+        squares where the noise scale is measured (see `all_finite`)."""
+        return all_finite(grads, squares=squares)
+
+    def _accum_sums_of_squares(self, grads):
+        """The float32 sum of squares of each gradient (`None`s left out),
+        for the noise scale."""
+        return sums_of_squares(grads)
+
+    def _accum_check_noise_scale_supported(self):
+        """Raises where the noise scale cannot be measured (see
+        `_backend.tensorflow`)."""

@@ -159,6 +159,37 @@ class TFAccumulation(Accumulation):
             return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
         return super()._accum_scale(grad, weight, dtype)
 
+    def _accum_sums_of_squares(self, grads):
+        # An embedding's `IndexedSlices` may repeat a row: the rows are
+        # merged first (a buffer the size of the slices, not of the
+        # table), so that the squares are the dense gradient's.
+        merged = []
+        for grad in grads:
+            if isinstance(grad, tf.IndexedSlices):
+                rows, positions = tf.unique(grad.indices)
+                values = tf.math.unsorted_segment_sum(
+                    grad.values, positions, tf.shape(rows)[0]
+                )
+                grad = tf.IndexedSlices(values, rows, grad.dense_shape)
+            merged.append(grad)
+        return super()._accum_sums_of_squares(merged)
+
+    def _accum_check_noise_scale_supported(self):
+        replica_context = tf.distribute.get_replica_context()
+        if replica_context is not None and (
+            replica_context.num_replicas_in_sync > 1
+        ):
+            # Each replica holds its shard's gradient, scaled by Keras'
+            # loss reduction over replicas; the window's estimator would
+            # need each shard's weight and scale, which it does not have.
+            raise ValueError(
+                "`measure_noise_scale=True` is not supported under a "
+                "tf.distribute strategy with more than one replica yet; "
+                "use keras.distribution (JAX) or "
+                "torch_distributed.sync_windows. Received: "
+                f"num_replicas_in_sync={replica_context.num_replicas_in_sync}"
+            )
+
     def _accum_zero_weight_allowed(self):
         # A replica whose shard of the micro-batch is empty weighs 0.
         replica_context = tf.distribute.get_replica_context()

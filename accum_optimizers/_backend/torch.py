@@ -114,7 +114,7 @@ class TorchAccumulation(Accumulation):
     def _accum_note_loss(self, loss):
         super()._accum_note_loss(loss.detach())
 
-    def _accum_all_finite(self, grads):
+    def _accum_all_finite(self, grads, squares=None):
         overlap = _overlap_of(self)
         if overlap is not None and overlap.claimed is not None:
             # Exact without reading the gradients first: the earlier
@@ -128,7 +128,21 @@ class TorchAccumulation(Accumulation):
             return finite
         # torch's own sums: a `keras.ops` call costs more than the sum of a
         # small gradient.
-        return all_finite(grads, sums_are_finite=_sums_are_finite)
+        return all_finite(
+            grads, sums_are_finite=_sums_are_finite, squares=squares
+        )
+
+    @torch.no_grad()
+    def _accum_sums_of_squares(self, grads):
+        # One fused kernel per gradient (`torch.linalg.vector_norm` squares
+        # and sums in one pass), without `keras.ops`' per-call cost.
+        return [
+            torch.linalg.vector_norm(
+                torch.as_tensor(grad), dtype=torch.float32
+            ).square()
+            for grad in grads
+            if grad is not None
+        ]
 
 
 def _overlap_of(optimizer):

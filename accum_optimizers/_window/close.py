@@ -82,17 +82,23 @@ class WindowClose:
         # Read the counts here, inside the branch: under TensorFlow's XLA
         # loop, a tensor captured from outside costs every micro-step.
         total_weight = self._accum_total_weight.value
-        # The loss sum crosses replicas with the gradient sums.
+        # The loss sum and the noise scale's sums cross replicas with the
+        # gradient sums.
+        noise = self._accum_noise_window_values()
         reduced, total_weight = self._accum_reduce_window(
-            [totals[i] for i in summed] + [self._accum_loss_sum.value],
+            [totals[i] for i in summed] + [self._accum_loss_sum.value] + noise,
             total_weight,
         )
+        noise = reduced[len(reduced) - len(noise) :]
+        reduced = reduced[: len(reduced) - len(noise)]
         sums, loss_sum = reduced[:-1], reduced[-1]
         # A window whose micro-batches all weigh 0 (`fit`: every sample
         # weight or token masked) has zero sums: a zero gradient, as the
         # big batch's `divide_no_nan`.
         divisor = ops.where(ops.greater(total_weight, 0.0), total_weight, 1.0)
-        self._accum_window_grad_norm.assign(_norm_of_mean(sums, divisor))
+        grad_norm = _norm_of_mean(sums, divisor)
+        self._accum_window_grad_norm.assign(grad_norm)
+        self._accum_close_noise(noise, ops.square(grad_norm), total_weight)
         means = self._accum_window_mean(sums, divisor)
         means = self._accum_store_means(
             [self._accum_sums[i] for i in summed], means

@@ -38,7 +38,10 @@ class WindowCounts:
 
     def _accum_schedule_key(self, schedule):
         """The optimizer's count `schedule` is keyed on: `iterations`, or
-        `samples_seen` (float32) for `by_samples`."""
+        `samples_seen` (float32) for `by_samples`, the noise scale
+        measured for `by_noise_scale`."""
+        if schedules.keyed_on_noise_scale(schedule):
+            return self._accum_noise_key(schedule)
         if not schedules.keyed_on_samples(schedule):
             return self._iterations.value
         return self._accum_samples()

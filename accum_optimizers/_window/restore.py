@@ -1,12 +1,13 @@
 """Saving and restoring the window: what a saved state means (this
 version's layout, the parent's state alone, an untrained state, 0.1.0's
-window), its counters checked, and the optimizer's `load_own_variables`."""
+window, a window saved without the noise scale's variables), its counters
+checked, and the optimizer's `load_own_variables`."""
 
 import numpy as np
 from keras import ops
 
 from accum_optimizers import schedules
-from accum_optimizers._window.spec import WINDOW_STATE
+from accum_optimizers._window.noise import saved_noise_key
 
 
 class WindowRestore:
@@ -53,7 +54,8 @@ class WindowRestore:
             variable.assign(value)
         if self._accumulates and empty:
             self._accum_end_window()
-            for name, value in lasting_values(parent, window).items():
+            state = self._accum_layout.state
+            for name, value in lasting_values(parent, window, state).items():
                 getattr(self, f"_accum_{name}").assign(value)
 
     def _accum_saved_window_size(self, parent, window):
@@ -62,8 +64,12 @@ class WindowRestore:
         schedule = self._accum_schedule
         if schedule is None:
             return self.accum_iters
-        if schedules.keyed_on_samples(schedule):
-            key = np.float32(saved_samples_seen(parent, window))
+        state = self._accum_layout.state
+        if schedules.keyed_on_noise_scale(schedule):
+            values = lasting_values(parent, window, state)
+            key = saved_noise_key(values, schedule, self.noise_scale_momentum)
+        elif schedules.keyed_on_samples(schedule):
+            key = np.float32(saved_samples_seen(parent, window, state))
         else:
             key = int(np.asarray(parent[0]))
         return int(ops.convert_to_numpy(self._accum_window_size(key)))
@@ -73,7 +79,7 @@ def plan_restore(values, layout, window_size_at, describe):
     """Checks saved `values` against `layout`.
 
     Returns `(parent, window)`: the parent optimizer's values, and the
-    window's values in the order of `WINDOW_STATE` followed by the sums, or
+    window's values in the order of `layout.state` followed by the sums, or
     `None` when the state has none (see `is_empty`).
     Raises `ValueError`, naming the problem, for a state this optimizer
     cannot continue exactly:
@@ -85,7 +91,9 @@ def plan_restore(values, layout, window_size_at, describe):
     - a variable count that matches none of: this configuration, the parent's
       state alone (saved with `accum_iters=1` or by the parent Keras class),
       the same configuration saved before training (`unbuilt` variables,
-      with `iterations` 0), a window saved by 0.1.0.
+      with `iterations` 0), a window saved by 0.1.0, a window saved
+      without the noise scale's variables (by `measure_noise_scale=False`,
+      or before they existed) when this optimizer measures it.
 
     Args:
         values: the saved arrays, in order.
@@ -108,13 +116,18 @@ def _split(values, layout, describe):
         return values, None
     if count == layout.total:
         return values[: layout.parent], values[layout.parent :]
+    state = layout.state
+    noise = sum(variable.noise_scale for variable in state)
     if (
         layout.has_window
-        and count == layout.total - _absent_from_0_1_0()
-        and _is_window_of(values, layout.parent)
+        and count == layout.total - _absent_from_0_1_0(state)
+        and _is_window_of(values, layout.parent, state)
         and np.shape(values[layout.parent + 1]) == ()
     ):
-        window = _window_of_0_1_0(values[layout.parent :], layout.sums)
+        window = _window_of_0_1_0(values[layout.parent :], layout.sums, state)
+        return values[: layout.parent], window
+    if noise and count == layout.total - noise:
+        window = _window_without_noise(values[layout.parent :], state)
         return values[: layout.parent], window
     if count == layout.unbuilt:
         if int(np.asarray(values[0])) != 0:
@@ -128,14 +141,15 @@ def _split(values, layout, describe):
                 "with the saved configuration."
             )
         return values, None
-    if not layout.has_window and _is_window_of(values, layout.parent):
+    if not layout.has_window and _is_window_of(values, layout.parent, state):
         return values[: layout.parent], values[layout.parent :]
     raise ValueError(
         f"Cannot restore the state of optimizer {describe}: the "
         f"checkpoint holds {count} optimizer variables, this optimizer "
         f"has {layout.total}. The checkpoint was saved with a different "
         "optimizer or configuration (amsgrad, momentum, centered, "
-        "use_ema, or a learning-rate schedule instead of a float); "
+        "use_ema, measure_noise_scale, or a learning-rate schedule "
+        "instead of a float); "
         "rebuild the optimizer with the saved configuration."
     )
 
@@ -147,20 +161,21 @@ def is_empty(window):
     return window is None or int(np.asarray(window[0])) == 0
 
 
-def lasting_values(parent, window):
-    """`{name: value}` of the `lasting` window variables a restored state
-    holds: the saved values, or for a state saved without a window (by
-    `accum_iters=1` or the parent class) one micro-batch of weight 1 per
-    update, as `accum_iters=1` counts, and zeros."""
+def lasting_values(parent, window, state):
+    """`{name: value}` of the `lasting` window variables (of `state`, the
+    layout's) a restored state holds: the saved values, or for a state
+    saved without a window (by `accum_iters=1` or the parent class) one
+    micro-batch of weight 1 per update, as `accum_iters=1` counts, and
+    zeros."""
     if window is not None:
         return {
             variable.name: np.asarray(value)
-            for variable, value in zip(WINDOW_STATE, window)
+            for variable, value in zip(state, window)
             if variable.lasting
         }
     updates = np.asarray(parent[0])
     values = {}
-    for variable in WINDOW_STATE:
+    for variable in state:
         if variable.name in ("micro_batches", "samples_seen"):
             values[variable.name] = updates.astype(variable.dtype)
         elif variable.lasting:
@@ -168,23 +183,41 @@ def lasting_values(parent, window):
     return values
 
 
-def saved_samples_seen(parent, window):
+def saved_samples_seen(parent, window, state):
     """The samples seen a planned state holds (see `lasting_values`)."""
-    values = lasting_values(parent, window)
+    values = lasting_values(parent, window, state)
     return float(values["samples_seen"]) + float(values["samples_seen_error"])
 
 
-def _absent_from_0_1_0():
-    return sum(not v.saved_by_0_1_0 for v in WINDOW_STATE)
+def _absent_from_0_1_0(state):
+    return sum(not v.saved_by_0_1_0 for v in state)
 
 
-def _window_of_0_1_0(window, sums):
+def _window_without_noise(window, state):
+    """A window saved without the noise scale's variables (this layout
+    before they existed, or `measure_noise_scale=False`) in `state`'s
+    layout: nothing measured yet. A pending window's first micro-batches
+    were not measured: its count is NaN, so that it gives no estimate."""
+    pending = int(np.asarray(window[0])) > 0
+    saved = iter(window)
+    upgraded = []
+    for variable in state:
+        if not variable.noise_scale:
+            upgraded.append(next(saved))
+        elif variable.name == "noise_micro_batches" and pending:
+            upgraded.append(np.asarray(np.nan, variable.dtype))
+        else:
+            upgraded.append(np.zeros((), variable.dtype))
+    return upgraded + list(saved)
+
+
+def _window_of_0_1_0(window, sums, state):
     """0.1.0's window (the two counters, then the sums) in today's layout:
     every variable counts as seen (its flush updated every variable) and
     every micro-batch weighed 1."""
     saved = iter(window)
     upgraded = []
-    for variable in WINDOW_STATE:
+    for variable in state:
         if variable.saved_by_0_1_0:
             upgraded.append(next(saved))
         elif variable.name == "seen":
@@ -200,9 +233,9 @@ def _window_of_0_1_0(window, sums):
     return upgraded + list(saved)
 
 
-def _is_window_of(values, parent_count):
+def _is_window_of(values, parent_count, state):
     """Whether `values` is a parent state followed by a window's state."""
-    counters = len(WINDOW_STATE) - _absent_from_0_1_0()
+    counters = len(state) - _absent_from_0_1_0(state)
     extra = len(values) - parent_count
     return extra > counters and np.shape(values[parent_count]) == ()
 

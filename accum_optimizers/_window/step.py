@@ -135,6 +135,9 @@ class WindowStep:
             grads, micro_batch.weight, micro_batch.scaled
         )
         with keras.name_scope(self.name, caller=self):
+            # One read of the gradients for the noise scale and the
+            # finiteness check both.
+            micro_batch.squares = self._accum_noise_squares(grads)
             enters = self._accum_enters_window(grads, micro_batch)
             if enters is None:
                 return self._accum_take_micro_step(grads, micro_batch, None)
@@ -162,7 +165,7 @@ class WindowStep:
         if self.skip_nonfinite:
             enters = micro_batch.finite
             if enters is None:
-                enters = self._accum_all_finite(grads)
+                enters = self._accum_all_finite(grads, micro_batch.squares)
         if micro_batch.valid is not None:
             enters = (
                 micro_batch.valid
@@ -262,6 +265,7 @@ class WindowStep:
                 new_window, seen, ops.maximum(self._accum_seen.value, seen)
             ),
         }
+        counts.update(self._accum_noise_counts(micro_batch, finite))
         if finite is not None:
             counts["skipped"] = self._accum_skipped + 1 - step
         return counts, new_window, update_switch
@@ -369,6 +373,10 @@ class _MicroBatch:
             weight is not is left out of its window, as a skipped one.
         finite: `None`, or whether a wrapper found every gradient finite
             (`MultiOptimizer`).
+
+    Attributes:
+        squares: the gradients' sums of squares (`measure_noise_scale`),
+            set once the gradients are laid out, else `None`.
     """
 
     def __init__(self, weight, scaled, loss, valid, finite):
@@ -377,6 +385,7 @@ class _MicroBatch:
         self.loss = loss
         self.valid = valid
         self.finite = finite
+        self.squares = None
 
 
 def _check_shape(grad, variable):
