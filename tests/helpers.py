@@ -346,11 +346,11 @@ def window_state(optimizer):
     """The window's variables of a built accumulating optimizer, by name as
     the window declares them, and `"sums"`, the per-variable sums: the one
     place the tests read the window's internals."""
-    from accum_optimizers._window.spec import WINDOW_STATE
+    from accum_optimizers._window import spec
 
     state = {
         variable.name: getattr(optimizer, f"_accum_{variable.name}")
-        for variable in WINDOW_STATE
+        for variable in spec.window_state(optimizer.measure_noise_scale)
     }
     state["sums"] = optimizer._accum_sums
     return state

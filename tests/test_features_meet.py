@@ -88,7 +88,12 @@ def test_accum_iters_changed_on_a_built_window_accumulates_exactly():
 def test_every_class_signature_lists_every_accumulation_argument(name):
     cls = OPTIMIZER_CLASSES[name]
     parameters = inspect.signature(cls).parameters
-    for argument in ("accum_iters", "skip_nonfinite", "accumulator_dtype"):
+    for argument in (
+        "accum_iters",
+        "skip_nonfinite",
+        "accumulator_dtype",
+        "measure_noise_scale",
+    ):
         assert parameters[argument].kind is inspect.Parameter.KEYWORD_ONLY
         assert f"{argument}:" in cls.__doc__
     config = cls(accum_iters=3, skip_nonfinite=True).get_config()

@@ -9,12 +9,10 @@ import random
 import keras
 import numpy as np
 
+from accum_optimizers import _args
 from accum_optimizers import _keras_private
 from accum_optimizers.layers import AccumBatchNormalization
 from accum_optimizers.weighting import weigh_micro_batches
-
-# Arguments of the accumulating classes that their parent does not take.
-_ACCUMULATION_KEYS = ("accum_iters", "skip_nonfinite", "accumulator_dtype")
 
 
 def is_random_layer(layer):
@@ -125,9 +123,7 @@ def fresh_optimizers(optimizer):
     config = inner.get_config()
     accumulating = type(inner).from_config(config)
     parent_config = {
-        key: value
-        for key, value in config.items()
-        if key not in _ACCUMULATION_KEYS + ("decay",)
+        key: value for key, value in config.items() if key not in _args.NAMES
     }
     if config.get("decay") is not None:
         # The Keras 2 time decay the accumulating class implements, keyed
