@@ -1,12 +1,13 @@
 """The accumulating optimizers a model's optimizer applies through: itself,
 the one a `LossScaleOptimizer` wraps, or those of a `MultiOptimizer`; and
-a `MultiOptimizer`'s update count. Used by the callbacks, the planner and
-`weigh_micro_batches`."""
+a `MultiOptimizer`'s update count; a model's, checked for the callbacks.
+Used by the callbacks, the planner and `weigh_micro_batches`."""
 
 import keras
 
 from accum_optimizers import _keras_private
 from accum_optimizers._accumulation import GradientAccumulation
+from accum_optimizers.layers import AccumBatchNormalization
 
 
 def accumulating_optimizers(optimizer):
@@ -71,3 +72,35 @@ def count_updates_in_multi_optimizer(optimizer, sync=True):
         optimizer._accum_counts_updates = True
     if sync and optimizer.built and reference.built:
         optimizer.iterations.assign(reference.iterations)
+
+
+def accumulating_of_model(model, caller):
+    """The accumulating optimizers of `model` (see
+    `accumulating_optimizers`); raises, naming `caller`, if there is none."""
+    optimizers = accumulating_optimizers(model.optimizer)
+    if not optimizers:
+        raise ValueError(
+            f"{caller} needs an accumulating optimizer (an `accum_optimizers` "
+            "class or `accumulating(cls)`, possibly inside a "
+            "`LossScaleOptimizer` or `MultiOptimizer`). Received: "
+            f"optimizer={model.optimizer!r}"
+        )
+    return optimizers
+
+
+def refuse_skips_with_accum_batch_norm(model, optimizers):
+    """`AccumBatchNormalization` counts its windows in the forward pass, so
+    a micro-batch the optimizer skips afterwards would still be in the
+    layer's statistics, and its windows would fall out of step with the
+    optimizer's."""
+    if not any(o.skip_nonfinite for o in optimizers):
+        return
+    for layer in _keras_private.sublayers(model):
+        if isinstance(layer, AccumBatchNormalization) and layer.accum_iters > 1:
+            raise ValueError(
+                "`skip_nonfinite=True` cannot be combined with "
+                f"AccumBatchNormalization layer '{layer.name}' "
+                f"(accum_iters={layer.accum_iters}): the layer adds every "
+                "micro-batch to its window in the forward pass, before the "
+                "optimizer decides to skip it."
+            )

@@ -181,3 +181,30 @@ def validate_loss(loss):
             f"`window_loss`. Received: loss={loss!r}, {problem}"
         )
     return ops.reshape(ops.cast(tensor, "float32"), ())
+
+
+def validate_gradient_shape(grad, variable):
+    """Raises unless `grad`'s static shape fits `variable`'s exactly."""
+    if hasattr(grad, "dense_shape"):  # tf.IndexedSlices
+        shape = getattr(grad.values, "shape", None)
+        shape = None if shape is None else shape[1:]
+        expected = tuple(variable.shape)[1:]
+    else:
+        shape = getattr(grad, "shape", None)
+        expected = tuple(variable.shape)
+    if shape is None:
+        return
+    try:
+        dims = tuple(shape)
+    except ValueError:  # a TensorFlow shape of unknown rank
+        return
+    dims = tuple(None if d is None else int(d) for d in dims)
+    fits = len(dims) == len(expected) and all(
+        d is None or d == e for d, e in zip(dims, expected)
+    )
+    if not fits:
+        raise ValueError(
+            f"The gradient for variable '{variable.path}' has shape "
+            f"{dims}, but the variable has shape {expected}; they must be "
+            "equal (a gradient is never broadcast)."
+        )

@@ -22,6 +22,7 @@ from accum_optimizers import _inputs
 from accum_optimizers import _keras_private
 from accum_optimizers._finite import masked
 from accum_optimizers._validation import concrete_value
+from accum_optimizers._validation import validate_gradient_shape
 from accum_optimizers._validation import validate_loss
 from accum_optimizers._validation import validate_weight
 
@@ -344,7 +345,7 @@ class WindowStep:
         laid_out = [None] * len(self._trainable_variables)
         for grad, variable in zip(grads, variables):
             if grad is not None:
-                _check_shape(grad, variable)
+                validate_gradient_shape(grad, variable)
                 laid_out[self._get_variable_index(variable)] = grad
         if all(grad is None for grad in laid_out):
             raise ValueError("No gradients provided for any variable.")
@@ -386,30 +387,3 @@ class _MicroBatch:
         self.valid = valid
         self.finite = finite
         self.squares = None
-
-
-def _check_shape(grad, variable):
-    """Raises unless `grad`'s static shape fits `variable`'s exactly."""
-    if hasattr(grad, "dense_shape"):  # tf.IndexedSlices
-        shape = getattr(grad.values, "shape", None)
-        shape = None if shape is None else shape[1:]
-        expected = tuple(variable.shape)[1:]
-    else:
-        shape = getattr(grad, "shape", None)
-        expected = tuple(variable.shape)
-    if shape is None:
-        return
-    try:
-        dims = tuple(shape)
-    except ValueError:  # a TensorFlow shape of unknown rank
-        return
-    dims = tuple(None if d is None else int(d) for d in dims)
-    fits = len(dims) == len(expected) and all(
-        d is None or d == e for d, e in zip(dims, expected)
-    )
-    if not fits:
-        raise ValueError(
-            f"The gradient for variable '{variable.path}' has shape "
-            f"{dims}, but the variable has shape {expected}; they must be "
-            "equal (a gradient is never broadcast)."
-        )
