@@ -67,6 +67,12 @@ def runs(draw):
         else draw(st.sampled_from([1, 1, 2, 4])),
         logger=draw(st.booleans()),
     )
+    if run.policy != "float32":
+        # Adam's and RMSprop's first steps are near `lr * sign(g)`: a
+        # gradient entry near zero, which 16-bit round-off gives either
+        # sign in two exact runs, moves by a whole step. SGD's update is
+        # proportional to the gradient, so its round-off stays small.
+        run.optimizer = "sgd"
     run.accum = draw(
         st.one_of(
             st.integers(1, 4),
@@ -105,9 +111,15 @@ KNOWN_HOLES = []
 
 
 def _raises_accum_iters_built_without_window(run):
-    """A run that raises `accum_iters` above 1 on an optimizer built with
-    `accum_iters=1` (and no window): refused, naming `accum_iters`."""
-    return run.accum == 1 and not run.skip and (run.accum_after or 1) > 1
+    """A run that raises `accum_iters` above 1 on the optimizer it built
+    with `accum_iters=1` (and no window): refused, naming `accum_iters`. (A
+    resume from a file builds a new optimizer.)"""
+    return (
+        run.resume == "continue"
+        and run.accum == 1
+        and not run.skip
+        and (run.accum_after or 1) > 1
+    )
 
 
 def check(run, tmp_path):
