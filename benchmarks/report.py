@@ -19,7 +19,8 @@ COLUMNS = [
     ("parent_4b", "parent 4b"),
 ]
 # The window's state beside the sums (`WINDOW_STATE` in
-# `accum_optimizers/_window/spec.py`): its scalars, at most 8 bytes each, and
+# `accum_optimizers/_window/spec.py`, without the noise scale's, which the
+# benchmarks do not measure): its scalars, at most 8 bytes each, and
 # one int32 flag per trainable variable (received gradient in the window).
 WINDOW_SCALARS = 9
 WINDOW_SCALAR_BYTES = 8 * WINDOW_SCALARS

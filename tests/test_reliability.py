@@ -466,3 +466,22 @@ def test_a_schedule_state_loaded_into_a_float_learning_rate_is_refused():
     optimizer.build(_variables())
     with pytest.raises(ValueError, match="Cannot restore"):
         optimizer.load_own_variables(store)
+
+
+def test_a_window_loaded_into_accum_iters_1_warns_of_the_counts_it_restarts():
+    # Oracle: what the saved window counted, by hand: two windows of two
+    # micro-batches weighing 3 each, against an optimizer without a window,
+    # which reports its update count.
+    variables = _variables()
+    saved = SGDAccumulate(0.1, accum_iters=2)
+    saved.build(variables)
+    grads = [keras.ops.ones(v.shape) for v in variables]
+    for _ in range(4):
+        saved.apply(grads, variables, weight=3.0)
+    store = {str(i): to_numpy(v) for i, v in enumerate(saved.variables)}
+    loaded = SGDAccumulate(0.1)
+    loaded.build(_variables())
+    with pytest.warns(UserWarning, match="samples_seen=12"):
+        loaded.load_own_variables(store)
+    assert int(to_numpy(loaded.iterations)) == 2
+    assert float(to_numpy(loaded.samples_seen)) == 2.0

@@ -3,11 +3,14 @@ version's layout, the parent's state alone, an untrained state, 0.1.0's
 window, a window saved without the noise scale's variables), its counters
 checked, and the optimizer's `load_own_variables`."""
 
+import warnings
+
 import numpy as np
 from keras import ops
 
 from accum_optimizers import schedules
 from accum_optimizers._window.noise import saved_noise_key
+from accum_optimizers._window.spec import window_state
 
 
 class WindowRestore:
@@ -52,6 +55,8 @@ class WindowRestore:
                 )
         for variable, value in zip(variables, restored):
             variable.assign(value)
+        if not self._accumulates and window is not None:
+            _warn_of_counts_lost(parent, window, describe)
         if self._accumulates and empty:
             self._accum_end_window()
             state = self._accum_layout.state
@@ -275,3 +280,29 @@ def _check_counters(parent, window, layout, window_size_at, describe):
             f"{accum_iters - 1}). Load it with accum_iters > {pending}, or "
             "save it between windows."
         )
+
+
+def _warn_of_counts_lost(parent, window, describe):
+    """Warns where a saved window's counts since creation differ from what
+    an optimizer without a window reports (one micro-batch of weight 1 per
+    update, none skipped): it keeps no variable to restore them into."""
+    saved = {
+        variable.name: float(np.asarray(value))
+        for variable, value in zip(window_state(False), window)
+        if variable.lasting
+    }
+    updates = float(np.asarray(parent[0]))
+    samples = saved["samples_seen"] + saved["samples_seen_error"]
+    if (saved["micro_batches"], samples, saved["skipped"]) == (updates,) * 2 + (
+        0.0,
+    ):
+        return
+    warnings.warn(
+        f"Optimizer {describe} keeps no window, so it restarts its counts "
+        "from its update count: the checkpoint's micro_batches_seen="
+        f"{saved['micro_batches']:g}, samples_seen={samples:g} and "
+        f"skipped_micro_batches={saved['skipped']:g} now read "
+        f"{updates:g}, {updates:g} and 0. Load it with accum_iters > 1 to "
+        "keep them.",
+        stacklevel=4,
+    )
