@@ -79,19 +79,9 @@ class WindowClose:
         """
         variables = self._trainable_variables
         summed = [i for i in present if i in totals]
-        # Read the counts here, inside the branch: under TensorFlow's XLA
-        # loop, a tensor captured from outside costs every micro-step.
-        total_weight = self._accum_total_weight.value
-        # The loss sum and the noise scale's sums cross replicas with the
-        # gradient sums.
-        noise = self._accum_noise_window_values()
-        reduced, total_weight = self._accum_reduce_window(
-            [totals[i] for i in summed] + [self._accum_loss_sum.value] + noise,
-            total_weight,
+        sums, loss_sum, noise, total_weight = self._accum_reduced_window(
+            [totals[i] for i in summed]
         )
-        noise = reduced[len(reduced) - len(noise) :]
-        reduced = reduced[: len(reduced) - len(noise)]
-        sums, loss_sum = reduced[:-1], reduced[-1]
         # A window whose micro-batches all weigh 0 (`fit`: every sample
         # weight or token masked) has zero sums: a zero gradient, as the
         # big batch's `divide_no_nan`.
@@ -116,6 +106,21 @@ class WindowClose:
         # seen before the window.
         self._accum_count_samples(total_weight)
         self._accum_end_window()
+
+    def _accum_reduced_window(self, sums):
+        """`(sums, loss_sum, noise, total_weight)`: the window's `sums`, loss
+        sum, noise-scale sums and total weight, added over replicas (once,
+        in one exchange)."""
+        # Read the counts here, inside the branch: under TensorFlow's XLA
+        # loop, a tensor captured from outside costs every micro-step.
+        total_weight = self._accum_total_weight.value
+        noise = self._accum_noise_window_values()
+        reduced, total_weight = self._accum_reduce_window(
+            list(sums) + [self._accum_loss_sum.value] + noise, total_weight
+        )
+        noise = reduced[len(reduced) - len(noise) :]
+        reduced = reduced[: len(reduced) - len(noise)]
+        return reduced[:-1], reduced[-1], noise, total_weight
 
     def _accum_count_samples(self, weight):
         """`samples_seen += weight`, compensated (Knuth's two-sum): the

@@ -99,33 +99,8 @@ class WindowNoise:
         mean gradient and its total weight."""
         if not sums:
             return
-        sq_norm_sum, inverse_weight_sum, count = sums
-        small_sq_norm = ops.divide(sq_norm_sum, ops.maximum(count, 1.0))
-        batch_small = ops.divide(
-            count, ops.where(inverse_weight_sum > 0, inverse_weight_sum, 1.0)
-        )
-        batch_big = ops.cast(total_weight, "float32")
-        gap = ops.subtract(batch_big, batch_small)
-        spread = ops.where(gap > 0, gap, 1.0)
-        gradient_sq_norm = ops.divide(
-            ops.subtract(
-                ops.multiply(batch_big, big_sq_norm),
-                ops.multiply(batch_small, small_sq_norm),
-            ),
-            spread,
-        )
-        trace = ops.divide(
-            ops.multiply(
-                ops.subtract(small_sq_norm, big_sq_norm),
-                ops.multiply(batch_small, batch_big),
-            ),
-            spread,
-        )
-        valid = ops.logical_and(
-            ops.logical_and(count >= 2.0, gap > 0),
-            ops.logical_and(
-                ops.isfinite(gradient_sq_norm), ops.isfinite(trace)
-            ),
+        gradient_sq_norm, trace, valid = _window_estimates(
+            *sums, big_sq_norm, total_weight
         )
         nan = ops.convert_to_tensor(float("nan"), "float32")
         self._accum_window_gradient_sq_norm.assign(
@@ -295,3 +270,47 @@ def read_outs_of(optimizers):
         "gradient_sq_norm": sq_norm,
         "gradient_noise_trace": trace,
     }
+
+
+def _window_estimates(
+    sq_norm_sum, inverse_weight_sum, count, big_sq_norm, total_weight
+):
+    """`(|G|^2, tr(Sigma), valid)`: the paper's two unbiased estimates from
+    a window's micro-batch gradients and their mean.
+
+    Args:
+        sq_norm_sum: the sum of its micro-batches' squared gradient norms.
+        inverse_weight_sum: the sum of `1 / n_j`, their weights'.
+        count: how many micro-batches it holds (`m`).
+        big_sq_norm: the squared norm of its mean gradient.
+        total_weight: its total weight, `B_big`.
+
+    `B_small = m / sum(1 / n_j)`; `valid` is false for a window of one
+    micro-batch, or whose estimates are not finite.
+    """
+    small_sq_norm = ops.divide(sq_norm_sum, ops.maximum(count, 1.0))
+    batch_small = ops.divide(
+        count, ops.where(inverse_weight_sum > 0, inverse_weight_sum, 1.0)
+    )
+    batch_big = ops.cast(total_weight, "float32")
+    gap = ops.subtract(batch_big, batch_small)
+    spread = ops.where(gap > 0, gap, 1.0)
+    gradient_sq_norm = ops.divide(
+        ops.subtract(
+            ops.multiply(batch_big, big_sq_norm),
+            ops.multiply(batch_small, small_sq_norm),
+        ),
+        spread,
+    )
+    trace = ops.divide(
+        ops.multiply(
+            ops.subtract(small_sq_norm, big_sq_norm),
+            ops.multiply(batch_small, batch_big),
+        ),
+        spread,
+    )
+    valid = ops.logical_and(
+        ops.logical_and(count >= 2.0, gap > 0),
+        ops.logical_and(ops.isfinite(gradient_sq_norm), ops.isfinite(trace)),
+    )
+    return gradient_sq_norm, trace, valid
