@@ -4,8 +4,8 @@
 from keras import ops
 from keras.saving import register_keras_serializable
 
+from accum_optimizers._schedule_base import AccumSchedule
 from accum_optimizers._validation import validate_accum_iters
-from accum_optimizers.schedules import AccumSchedule
 
 _PACKAGE = "accum_optimizers"
 

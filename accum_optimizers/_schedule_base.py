@@ -1,0 +1,35 @@
+"""`AccumSchedule`, the base class of accumulation schedules (public as
+`accum_optimizers.schedules.AccumSchedule`), apart so that schedules kept in
+other modules (`_noise_schedule.py`) derive from it without importing
+`schedules`, which exports them."""
+
+
+class AccumSchedule:
+    """Base class of accumulation schedules.
+
+    Subclasses implement `__call__(update)`, which takes the number of
+    applied updates (an int32 scalar tensor, or a Python int) and returns
+    the window size `k >= 1` for the next update, written with `keras.ops`
+    so that it runs in compiled code; and `get_config()`.
+    `min_accum_iters` is the smallest window it returns (`1` if unknown):
+    `AccumulationLogger` reads it to know whether an execution of
+    `steps_per_execution` micro-batches can close several windows.
+    """
+
+    min_accum_iters = 1
+
+    def __call__(self, update):
+        raise NotImplementedError
+
+    def get_config(self):
+        raise NotImplementedError
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+    def __repr__(self):
+        arguments = ", ".join(
+            f"{name}={value!r}" for name, value in self.get_config().items()
+        )
+        return f"{type(self).__name__}({arguments})"
