@@ -110,8 +110,19 @@ def runs(draw):
 
 # Holes found and not fixed yet: (the runs it spoils, the checks left out
 # on them, what is wrong), each pinned by a strict xfail test below; whoever
-# fixes one removes its entry here and the mark there. None today.
-KNOWN_HOLES = []
+# fixes one removes its entry here and the mark there.
+_BFLOAT16_SAMPLE_WEIGHTS = (
+    "mixed_bfloat16 with sample weights: ours ends 9.6e-2 of the movement "
+    "from the parent on the big batch (5e-3 without sample weights, 1e-6 "
+    "in float32); cause not found yet"
+)
+KNOWN_HOLES = [
+    (
+        lambda run: run.policy == "mixed_bfloat16" and run.sample_weight,
+        {"all"},
+        _BFLOAT16_SAMPLE_WEIGHTS,
+    )
+]
 
 
 def _raises_accum_iters_built_without_window(run):
@@ -240,3 +251,19 @@ def test_fit_to_memory_after_a_last_probe_that_does_not_fit():
     assert [size for size, *_ in ours["plan"].probes] == [8, 4, 2, 3]
     parent = train_parent_to_memory(run)
     assert_same_run(run, ours, parent, initial_weights(Run()))
+
+
+@pytest.mark.backends("torch")
+@pytest.mark.xfail(strict=True, reason=f"hole: {_BFLOAT16_SAMPLE_WEIGHTS}")
+def test_bfloat16_with_sample_weights_equals_the_parent(tmp_path):
+    run = Run(
+        optimizer="sgd",
+        accum={0: 2, 2: 3},
+        micro_batch=4,
+        samples=15,
+        weighted=True,
+        sample_weight=True,
+        policy="mixed_bfloat16",
+    )
+    initial = initial_weights(run)
+    assert_same_run(run, train_ours(run, tmp_path), train_parent(run), initial)
