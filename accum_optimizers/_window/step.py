@@ -54,10 +54,10 @@ class WindowStep:
                 any loss scaling), for `window_loss`, weighed like the
                 gradients. `fit` passes it on its own. Defaults to `None`.
         """
-        # What arrived beside the arguments is taken first: a call that
-        # raises leaves nothing behind for the next one.
         if self._accumulates:
             self._accum_begin_apply()
+        # What arrived beside the arguments is taken first: a call that
+        # raises leaves nothing behind for the next one.
         micro_batch, checked = self._accum_inputs(
             _inputs.take(self), weight, loss
         )
@@ -213,16 +213,16 @@ class WindowStep:
                 None if micro_batch.scaled else micro_batch.weight,
             )
         except Exception as error:
-            if self._accum_wrote_before(error):
+            if self._accum_writes_directly():
                 error.add_note(_PARTLY_WRITTEN)
             raise
 
-    def _accum_wrote_before(self, error):
-        """Whether a micro-step that raised `error` after its commit began
-        had written variables: run eagerly, outside a `StatelessScope`
-        (an error while a graph is traced, or inside a stateless step whose
-        state is taken only when it completes, wrote nothing)."""
-        del error
+    def _accum_writes_directly(self):
+        """Whether this micro-step's writes land in the variables as it
+        runs, so that an error after its commit began leaves them partly
+        written: run eagerly, outside a `StatelessScope` (an error while a
+        graph is traced, or inside a stateless step whose state is taken
+        only when it completes, wrote nothing)."""
         return (
             concrete_value(self._accum_micro_steps.value) is not None
             and not _keras_private.in_stateless_scope()
