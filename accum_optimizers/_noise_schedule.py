@@ -5,7 +5,7 @@ from keras import ops
 from keras.saving import register_keras_serializable
 
 from accum_optimizers._schedule_base import AccumSchedule
-from accum_optimizers._validation import validate_accum_iters
+from accum_optimizers._validation import validate_positive_ints
 
 _PACKAGE = "accum_optimizers"
 
@@ -87,14 +87,7 @@ class NoiseScaleAccumIters(AccumSchedule):
                 "`micro_batch_size` must be a finite number > 0. Received: "
                 f"micro_batch_size={micro_batch_size!r}"
             )
-        for name, value in (("floor", floor), ("ceiling", ceiling)):
-            try:
-                validate_accum_iters(value)
-            except (TypeError, ValueError):
-                raise ValueError(
-                    f"`{name}` must be an integer >= 1. Received: "
-                    f"{name}={value!r}"
-                ) from None
+        validate_positive_ints(floor=floor, ceiling=ceiling)
         if floor < 2:
             raise ValueError(
                 "`floor` must be >= 2: a window of one micro-batch measures "

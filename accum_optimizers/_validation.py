@@ -42,6 +42,18 @@ def validate_accum_iters(accum_iters):
     return int(accum_iters)
 
 
+def validate_positive_ints(**values):
+    """Raises `ValueError`, naming the argument and its value, unless each
+    of `values` (by argument name) is an integer in `[1, 2**31 - 1]`."""
+    for name, value in values.items():
+        try:
+            validate_accum_iters(value)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"`{name}` must be an integer >= 1. Received: {name}={value!r}"
+            ) from None
+
+
 def validate_boundaries(boundaries):
     """`{update: k}` with int keys (JSON's string keys converted), sorted.
 

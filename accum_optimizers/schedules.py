@@ -28,6 +28,7 @@ from keras.saving import register_keras_serializable
 from accum_optimizers._schedule_base import AccumSchedule
 from accum_optimizers._validation import validate_accum_iters
 from accum_optimizers._validation import validate_boundaries
+from accum_optimizers._validation import validate_positive_ints
 
 _PACKAGE = "accum_optimizers"
 
@@ -96,18 +97,9 @@ class LinearRamp(AccumSchedule):
     """
 
     def __init__(self, initial, final, ramp_updates):
-        for name, value in (
-            ("initial", initial),
-            ("final", final),
-            ("ramp_updates", ramp_updates),
-        ):
-            try:
-                validate_accum_iters(value)
-            except (TypeError, ValueError):
-                raise ValueError(
-                    f"`{name}` must be an integer >= 1. Received: "
-                    f"{name}={value!r}"
-                ) from None
+        validate_positive_ints(
+            initial=initial, final=final, ramp_updates=ramp_updates
+        )
         self.initial, self.final = int(initial), int(final)
         self.ramp_updates = int(ramp_updates)
         self.min_accum_iters = min(self.initial, self.final)
