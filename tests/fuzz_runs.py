@@ -298,7 +298,17 @@ def _count(run, w, j):
 
 
 def train_parent(run):
-    """The oracle: the parent optimizer on each window's big batch."""
+    """The oracle: the parent optimizer on each window's big batch. Under a
+    16-bit policy, also `"weights_float32"`: the same in float32, whose
+    distance from the 16-bit run is the parent's own round-off."""
+    outcome = _train_parent(run)
+    if run.policy != "float32":
+        twin = _train_parent(dataclasses.replace(run, policy="float32"))
+        outcome["weights_float32"] = twin["weights"]
+    return outcome
+
+
+def _train_parent(run):
     keras.config.set_dtype_policy(run.policy)
     x, y, w = data(run)
     windows, skipped, samples = expected_windows(run)
@@ -346,8 +356,11 @@ def train_parent(run):
 def assert_same_run(run, ours, parent, initial, unchecked=()):
     """Counters exactly (samples to float32), weights and the window loss
     to round-off: float32 round-off relative to how far training moved the
-    weights, a few 16-bit units under the mixed policies. `unchecked`
-    names checks left out (`"window_loss"`, `"logger"`): a known hole."""
+    weights; under the mixed policies a few 16-bit units of it, or 4 times
+    the parent's own distance from its float32 run (a weight that barely
+    moves, its gradients summed with cancellation, carries round-off far
+    above its movement in the parent too). `unchecked` names checks left
+    out (`"window_loss"`, `"logger"`): a known hole."""
     sixteen = run.policy != "float32"
     assert ours["iterations"] == parent["iterations"], "iterations"
     assert ours["skipped"] == parent["skipped"], "skipped_micro_batches"
@@ -367,13 +380,16 @@ def assert_same_run(run, ours, parent, initial, unchecked=()):
             err_msg="window_loss",
         )
     move_rtol = 5e-2 if sixteen else 1e-3
-    for n, (a, e, start) in enumerate(
-        zip(ours["weights"], parent["weights"], initial)
+    twins = parent.get("weights_float32", parent["weights"])
+    for n, (a, e, start, twin) in enumerate(
+        zip(ours["weights"], parent["weights"], initial, twins)
     ):
         moved = float(np.max(np.abs(e - start)))
         off = float(np.max(np.abs(a - e)))
-        assert off <= move_rtol * moved + 2e-6, (
-            f"weight {n}: {off:.3g} from the parent's, which moved {moved:.3g}"
+        own_round_off = float(np.max(np.abs(e - twin)))
+        assert off <= max(move_rtol * moved, 4 * own_round_off) + 2e-6, (
+            f"weight {n}: {off:.3g} from the parent's, which moved "
+            f"{moved:.3g} and is {own_round_off:.3g} from its float32 run"
         )
     if run.logger and "logger" not in unchecked:
         # `fit_to_memory` starts a new `fit` after each recovery, and the

@@ -111,18 +111,7 @@ def runs(draw):
 # Holes found and not fixed yet: (the runs it spoils, the checks left out
 # on them, what is wrong), each pinned by a strict xfail test below; whoever
 # fixes one removes its entry here and the mark there.
-_BFLOAT16_SAMPLE_WEIGHTS = (
-    "mixed_bfloat16 with sample weights: ours ends 9.6e-2 of the movement "
-    "from the parent on the big batch (5e-3 without sample weights, 1e-6 "
-    "in float32); cause not found yet"
-)
-KNOWN_HOLES = [
-    (
-        lambda run: run.policy == "mixed_bfloat16" and run.sample_weight,
-        {"all"},
-        _BFLOAT16_SAMPLE_WEIGHTS,
-    )
-]
+KNOWN_HOLES = []
 
 
 def _raises_accum_iters_built_without_window(run):
@@ -254,8 +243,12 @@ def test_fit_to_memory_after_a_last_probe_that_does_not_fit():
 
 
 @pytest.mark.backends("torch")
-@pytest.mark.xfail(strict=True, reason=f"hole: {_BFLOAT16_SAMPLE_WEIGHTS}")
-def test_bfloat16_with_sample_weights_equals_the_parent(tmp_path):
+def test_bfloat16_with_sample_weights_is_within_the_parent_s_own_round_off(
+    tmp_path,
+):
+    # Found by the thorough profile: a bias that moved 1.6e-2 ends 1.6e-3
+    # from the parent's, which is itself 1.7e-3 from its float32 run (ours
+    # in float32: 1.5e-8). Round-off, not a hole.
     run = Run(
         optimizer="sgd",
         accum={0: 2, 2: 3},
