@@ -249,6 +249,17 @@ def _resumed(run, model, tmp_path):
     return fresh
 
 
+def pending_at_resume(run):
+    """How many micro-batches the window holds when a resumed run is saved
+    (`resume_at` micro-batches in)."""
+    windows, _, _ = expected_windows(
+        dataclasses.replace(run, resume=None, accum_after=None, flush=False)
+    )
+    closed = sum(len(window) for window in windows if window[-1] < run.resume_at)
+    taken = [j for j in range(run.resume_at) if j not in run.bad]
+    return len(taken) - closed
+
+
 def expected_windows(run):
     """The oracle's windows, in order: lists of micro-batch indices (of the
     epoch), and the number of micro-batches skipped."""
@@ -348,9 +359,24 @@ def _train_parent(run):
         "iterations": len(windows),
         "skipped": skipped,
         "samples_seen": float(len(windows)) if run.plain else samples,
-        "window_loss": 0.0 if run.plain or not losses else losses[-1],
+        "window_loss": _last_window_loss(run, windows, losses),
         "losses": losses,
     }
+
+
+def _last_window_loss(run, windows, losses):
+    """The loss of the last window an optimizer with a window closed: none
+    where it was built with `accum_iters=1`, nor before a resume that
+    switched a weights file of one to a window."""
+    if run.plain:
+        return 0.0
+    if run.accum == 1 and run.resume == "weights" and run.accum_after:
+        losses = [
+            loss
+            for window, loss in zip(windows, losses)
+            if window[0] >= run.resume_at
+        ]
+    return losses[-1] if losses else 0.0
 
 
 def assert_same_run(run, ours, parent, initial, unchecked=()):

@@ -21,6 +21,7 @@ from fuzz_runs import MemoryRun
 from fuzz_runs import Run
 from fuzz_runs import assert_same_run
 from fuzz_runs import initial_weights
+from fuzz_runs import pending_at_resume
 from fuzz_runs import train_ours
 from fuzz_runs import train_ours_to_memory
 from fuzz_runs import train_parent
@@ -115,14 +116,27 @@ KNOWN_HOLES = []
 
 
 def _raises_accum_iters_built_without_window(run):
-    """A run that raises `accum_iters` above 1 on the optimizer it built
-    with `accum_iters=1` (and no window): refused, naming `accum_iters`. (A
-    resume from a file builds a new optimizer.)"""
+    """A run that raises `accum_iters` above 1 on an optimizer built with
+    `accum_iters=1` (and no window): the live one, or the one
+    `load_model` builds from the file. Refused, naming `accum_iters`. (A
+    weights file is loaded into a new optimizer, built later.)"""
     return (
-        run.resume == "continue"
+        run.resume in ("continue", "keras")
         and run.accum == 1
         and not run.skip
         and (run.accum_after or 1) > 1
+    )
+
+
+def _refuses_a_pending_window_too_long(run):
+    """A file that holds more pending micro-batches than the new
+    `accum_iters` takes (at most `accum_iters - 1`): refused at the load,
+    naming the pending window."""
+    return (
+        run.resume in ("keras", "weights")
+        and run.accum_after is not None
+        and run.accum != 1
+        and pending_at_resume(run) >= run.accum_after
     )
 
 
@@ -136,6 +150,10 @@ def check(run, tmp_path):
         return
     if _raises_accum_iters_built_without_window(run):
         with pytest.raises(ValueError, match="built with accum_iters=1"):
+            train_ours(run, tmp_path)
+        return
+    if _refuses_a_pending_window_too_long(run):
+        with pytest.raises(ValueError, match="holds a pending window of"):
             train_ours(run, tmp_path)
         return
     initial = initial_weights(run)
