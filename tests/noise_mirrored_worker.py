@@ -1,8 +1,23 @@
-"""Worker for test_noise_scale.py: `measure_noise_scale` under
-`tf.distribute.MirroredStrategy` over 2 logical CPU devices, which it
-refuses (naming the argument and the replica count).
+"""Worker for test_noise_scale_distributed.py: `measure_noise_scale` under
+`tf.distribute.MirroredStrategy` over 2 logical CPU devices.
 
     KERAS_BACKEND=tensorflow python noise_mirrored_worker.py OUT.json
+
+For each case it writes what the optimizer reads out after each window,
+and, for the oracle, every replica's share of each of the window's
+micro-batches: its weight and its mean gradient, computed by a plain Keras
+model (outside the strategy) at the weights the window started from. The
+test recomputes each window's two estimates from those in numpy.
+
+- `fit`: `weigh_micro_batches`, `mean_with_sample_weight` (each share's
+  weight is the sum of its sample weights, some 0), `skip_nonfinite` with
+  a NaN sample in one replica's share, and a flushed last window whose
+  last micro-batch holds one sample (the second replica's share empty,
+  weight 0), in a graph (TensorFlow cannot XLA-compile a mirrored train
+  step on CPU: distribution_tf_worker.py records it).
+- `custom_loop`: `strategy.run` in a `tf.function`, unweighted.
+- `multi_optimizer`: the same loop through a `MultiOptimizer` of two
+  measuring optimizers.
 """
 
 import json
@@ -11,31 +26,270 @@ from pathlib import Path
 
 import tensorflow as tf
 
+REPLICAS = 2
 _cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(
-    _cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+    _cpu, [tf.config.LogicalDeviceConfiguration()] * REPLICAS
 )
 
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
 from helpers import regression_data  # noqa: E402
+from helpers import sample_weights  # noqa: E402
 from helpers import small_model  # noqa: E402
 
+import accum_optimizers  # noqa: E402
 from accum_optimizers import AdamAccumulate  # noqa: E402
+from accum_optimizers import FlushAccumulation  # noqa: E402
+from accum_optimizers import SGDAccumulate  # noqa: E402
+from accum_optimizers import weigh_micro_batches  # noqa: E402
+
+MOMENTUM = 0.5  # noise_scale_momentum: every window counts
+GLOBAL_MICRO = 8  # 4 per replica
+# fit: 8 micro-batches of 8, then one of 1 (split 1 / 0).
+FIT_SAMPLES = 8 * GLOBAL_MICRO + 1
+FIT_K = 3
+SKIPPED = 4  # its first sample is NaN: the first replica's share
+FIT_WINDOWS = [[0, 1, 2], [3, 5, 6], [7, 8]]  # the last one flushed
+LOOP_K = 2
+LOOP_MICRO_BATCHES = 4
+READ_OUTS = (
+    "window_gradient_sq_norm",
+    "window_noise_trace",
+    "gradient_sq_norm",
+    "gradient_noise_trace",
+    "noise_scale",
+)
+# One strategy per process (batchnorm_mirrored_worker.py).
+STRATEGY = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+
+def read_outs(optimizer):
+    values = {
+        name: float(keras.ops.convert_to_numpy(getattr(optimizer, name)))
+        for name in READ_OUTS
+    }
+    for name in ("iterations", "skipped_micro_batches", "samples_seen"):
+        values[name] = float(
+            keras.ops.convert_to_numpy(getattr(optimizer, name))
+        )
+    return values
+
+
+def share_gradient(model, weights, x, y, sample_weight):
+    """`(weight, gradients)` of one replica's share of a micro-batch at
+    `weights`: the sum of its sample weights and the gradient of its
+    `mean_with_sample_weight` MSE, one flat list per variable (`None` for
+    weight 0: no sample)."""
+    weight = float(np.sum(sample_weight, dtype="float64"))
+    if weight == 0:
+        return weight, None
+    model.set_weights(weights)
+    with tf.GradientTape() as tape:
+        values = tf.reduce_mean(tf.square(model(x) - y), axis=-1)
+        loss = tf.reduce_sum(values * sample_weight) / tf.reduce_sum(
+            sample_weight
+        )
+    grads = tape.gradient(loss, model.trainable_variables)
+    return weight, [g.numpy().ravel().tolist() for g in grads]
+
+
+def split_of_global_batches(n):
+    """Per global micro-batch, the sample indices each replica gets from
+    `experimental_distribute_dataset`, which `fit` uses."""
+    dataset = tf.data.Dataset.range(n).batch(GLOBAL_MICRO)
+    return [
+        [t.numpy().tolist() for t in STRATEGY.experimental_local_results(b)]
+        for b in STRATEGY.experimental_distribute_dataset(dataset)
+    ]
+
+
+def recorded(measure):
+    """`measure()`, or the error it raised, for the test to judge."""
+    try:
+        return measure()
+    except Exception as error:  # noqa: BLE001 - recorded, judged
+        return {"error": f"{type(error).__name__}: {error}"[:800]}
+
+
+class _Recorder(keras.callbacks.Callback):
+    """The weights before each micro-batch, the read-outs after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights, self.after = {}, {}
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.weights[batch] = self.model.get_weights()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.after[batch] = read_outs(self.model.optimizer)
+
+
+def fit_case():
+    x, y = regression_data(0, FIT_SAMPLES)
+    x[SKIPPED * GLOBAL_MICRO, 0] = np.nan
+    sample_weight = sample_weights(0, FIT_SAMPLES)
+    split = split_of_global_batches(FIT_SAMPLES)
+    with STRATEGY.scope():
+        model = small_model(0)
+        optimizer = AdamAccumulate(
+            learning_rate=0.01,
+            accum_iters=FIT_K,
+            skip_nonfinite=True,
+            measure_noise_scale=True,
+            noise_scale_momentum=MOMENTUM,
+        )
+        model.compile(
+            optimizer=optimizer,
+            loss=keras.losses.MeanSquaredError(
+                reduction="mean_with_sample_weight"
+            ),
+            jit_compile=False,
+        )
+    weigh_micro_batches(model)
+    recorder = _Recorder()
+    model.fit(
+        x,
+        y,
+        sample_weight=sample_weight,
+        batch_size=GLOBAL_MICRO,
+        shuffle=False,
+        verbose=0,
+        callbacks=[recorder, FlushAccumulation()],
+    )
+    plain = small_model(0)
+    windows = []
+    for number, window in enumerate(FIT_WINDOWS):
+        start = recorder.weights[window[0]]
+        shares = [
+            share_gradient(
+                plain, start, x[shard], y[shard], sample_weight[shard]
+            )
+            for j in window
+            for shard in split[j]
+        ]
+        last = number == len(FIT_WINDOWS) - 1
+        windows.append(
+            {
+                "shares": shares,
+                # The last window is applied by the flush, after `fit`.
+                "ours": read_outs(optimizer)
+                if last
+                else recorder.after[window[-1]],
+            }
+        )
+    return {
+        "split": split,
+        "windows": windows,
+        "samples": int(sum(len(s) for b in split for s in b)),
+    }
+
+
+def loop_case(multi):
+    """`strategy.run` of an unweighted step: each replica's mean MSE over
+    its share of 4 samples, divided by the replica count as Keras' losses
+    are."""
+    x, y = regression_data(1, LOOP_MICRO_BATCHES * GLOBAL_MICRO)
+    y = y + 2.0  # a true gradient that stands out of the noise: |G|^2 > 0
+    with STRATEGY.scope():
+        model = small_model(0)
+        if multi:
+            inner = [
+                SGDAccumulate(
+                    0.1,
+                    accum_iters=LOOP_K,
+                    measure_noise_scale=True,
+                    noise_scale_momentum=MOMENTUM,
+                ),
+                AdamAccumulate(
+                    0.01,
+                    accum_iters=LOOP_K,
+                    measure_noise_scale=True,
+                    noise_scale_momentum=MOMENTUM,
+                ),
+            ]
+            optimizer = keras.optimizers.MultiOptimizer(
+                keras.optimizers.OptimizerMap(inner[0], {".*bias": inner[1]})
+            )
+        else:
+            inner = [
+                AdamAccumulate(
+                    0.01,
+                    accum_iters=LOOP_K,
+                    measure_noise_scale=True,
+                    noise_scale_momentum=MOMENTUM,
+                )
+            ]
+            optimizer = inner[0]
+        optimizer.build(model.trainable_variables)
+
+    def replica_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(xb) - yb))
+            loss = loss / STRATEGY.num_replicas_in_sync
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)
+
+    @tf.function
+    def step(xb, yb):
+        STRATEGY.run(replica_step, args=(xb, yb))
+
+    def per_replica(values):
+        return STRATEGY.experimental_distribute_values_from_function(
+            lambda context: tf.constant(
+                values[context.replica_id_in_sync_group]
+            )
+        )
+
+    share = GLOBAL_MICRO // REPLICAS
+    plain = small_model(0)
+    windows = []
+    for first in range(0, LOOP_MICRO_BATCHES, LOOP_K):
+        start = model.get_weights()
+        shards = [
+            np.arange(
+                j * GLOBAL_MICRO + r * share, j * GLOBAL_MICRO + (r + 1) * share
+            )
+            for j in range(first, first + LOOP_K)
+            for r in range(REPLICAS)
+        ]
+        for j in range(first, first + LOOP_K):
+            mine = shards[(j - first) * REPLICAS : (j - first + 1) * REPLICAS]
+            step(
+                per_replica([x[s] for s in mine]),
+                per_replica([y[s] for s in mine]),
+            )
+        windows.append(
+            {
+                # Unweighted: each share counts 1.
+                "shares": [
+                    (
+                        1.0,
+                        share_gradient(
+                            plain, start, x[s], y[s], np.ones(share, "float32")
+                        )[1],
+                    )
+                    for s in shards
+                ],
+                "ours": [read_outs(o) for o in inner],
+            }
+        )
+    return {
+        "windows": windows,
+        "paths": [v.path for v in model.trainable_variables],
+    }
 
 
 def main(out):
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    x, y = regression_data(0, 16)
-    results = {"replicas": strategy.num_replicas_in_sync, "error": None}
-    with strategy.scope():
-        model = small_model(0)
-        model.compile(
-            optimizer=AdamAccumulate(accum_iters=2, measure_noise_scale=True),
-            loss="mse",
-        )
-    try:
-        model.fit(x, y, batch_size=4, verbose=0)
-    except ValueError as error:
-        results["error"] = str(error)
+    results = {
+        "replicas": STRATEGY.num_replicas_in_sync,
+        "imported_from": accum_optimizers.__file__,
+        "momentum": MOMENTUM,
+        "fit": recorded(fit_case),
+        "custom_loop": recorded(lambda: loop_case(multi=False)),
+        "multi_optimizer": recorded(lambda: loop_case(multi=True)),
+    }
     Path(out).write_text(json.dumps(results))
 
 

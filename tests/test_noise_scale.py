@@ -378,3 +378,52 @@ def test_an_optimizer_built_without_the_measurement_refuses_it_later():
     optimizer.build(_variables())
     with pytest.raises(ValueError, match="measure_noise_scale=True"):
         optimizer.measure_noise_scale = True
+
+
+def test_a_micro_batch_of_weight_0_is_no_sample():
+    """`fit` with `weigh_micro_batches`: a micro-batch whose sample weights
+    are all 0 weighs 0 and adds nothing to the window's estimates (it
+    made them NaN), which are those of the other micro-batches, from their
+    gradients at the window's weights in numpy."""
+    x, y = regression_data(5, 12)
+    sample_weight = np.array([1, 2, 0.5, 1] + [0] * 4 + [3, 1, 1, 2], "float32")
+    model = small_model(0)
+    start = model.get_weights()
+    model.compile(
+        optimizer=SGDAccumulate(0.1, accum_iters=3, measure_noise_scale=True),
+        loss=keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"),
+    )
+    weigh_micro_batches(model)
+    model.fit(
+        x,
+        y,
+        sample_weight=sample_weight,
+        batch_size=4,
+        shuffle=False,
+        verbose=0,
+    )
+    window, weights = [], []
+    for batch in (slice(0, 4), slice(8, 12)):
+        weight = sample_weight[batch]
+        window.append(_mse_gradients(start, x[batch], y[batch], weight))
+        weights.append(float(weight.sum()))
+    expected = _estimates(window, weights)
+    optimizer = model.optimizer
+    _assert_close(_value(optimizer.window_gradient_sq_norm), expected[0], 1)
+    _assert_close(_value(optimizer.window_noise_trace), expected[1], 2)
+
+
+def _mse_gradients(weights, x, y, sample_weight):
+    """The gradients of `small_model`'s `mean_with_sample_weight` MSE at
+    `weights` (kernel, bias, kernel, bias), in float64 numpy."""
+    w1, b1, w2, b2 = (np.asarray(w, "float64") for w in weights)
+    hidden = np.tanh(x @ w1 + b1)
+    out = hidden @ w2 + b2
+    d_out = (
+        2
+        * sample_weight[:, None]
+        * (out - y)
+        / (y.shape[1] * sample_weight.sum())
+    )
+    d_z = (d_out @ w2.T) * (1 - hidden**2)
+    return [x.T @ d_z, d_z.sum(0), hidden.T @ d_out, d_out.sum(0)]

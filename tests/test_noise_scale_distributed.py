@@ -1,6 +1,15 @@
-"""The noise scale under `tf.distribute`: refused with more than one
-replica, naming the argument and the replica count
-(noise_mirrored_worker.py, a `MirroredStrategy` over 2 CPU devices).
+"""The noise scale under `tf.distribute` (noise_mirrored_worker.py, a
+`MirroredStrategy` over 2 CPU devices): each replica's share of a
+micro-batch is one micro-batch of the window, a sample at `B_small` of its
+own weight; the window's mean over every share is the sample at `B_big`
+(see `_window/noise.py`).
+
+The oracle: each window's two estimates recomputed in float64 numpy from
+every share's mean gradient, which a plain Keras model (no strategy)
+computes on the same samples at the weights the window started from; and
+the moving averages and their ratio from those. The device split must
+happen before TensorFlow starts, so the worker runs in a process of its
+own, once, and these tests judge what it measured.
 
 (keras.distribution: test_distribution_jax.py; torch `sync_windows`:
 test_distribution_torch.py.)
@@ -8,34 +17,131 @@ test_distribution_torch.py.)
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+pytestmark = pytest.mark.backends("tensorflow")
 
-@pytest.mark.backends("tensorflow")
-def test_tf_distribute_with_several_replicas_is_refused_by_name(tmp_path):
-    here = Path(__file__).resolve().parent
-    out = tmp_path / "results.json"
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    out = tmp_path_factory.mktemp("noise_mirrored") / "results.json"
     result = subprocess.run(
-        [sys.executable, str(here / "noise_mirrored_worker.py"), str(out)],
-        cwd=here,
+        [sys.executable, str(HERE / "noise_mirrored_worker.py"), str(out)],
+        cwd=HERE,
         env=dict(
             os.environ,
             TF_CPP_MIN_LOG_LEVEL="3",
             KERAS_BACKEND="tensorflow",
             PYTHONPATH=os.pathsep.join(
-                [str(here.parent), os.environ.get("PYTHONPATH", "")]
+                [str(HERE.parent), os.environ.get("PYTHONPATH", "")]
             ),
         ),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["replicas"] == 2
-    assert "measure_noise_scale=True" in results["error"]
-    assert "num_replicas_in_sync=2" in results["error"]
+    # The package of this checkout, not another installed one.
+    assert Path(results["imported_from"]).is_relative_to(HERE.parent)
+    return results
+
+
+def _estimates(shares, variables=None):
+    """The window's `(|G|^2, tr(Sigma))` in float64 from its shares
+    (`(weight, gradients)`, `None` for weight 0), over `variables` (the
+    indices of the variables counted; all by default)."""
+    drawn = [(w, g) for w, g in shares if w > 0]
+    if variables is None:
+        variables = range(len(drawn[0][1]))
+    weights = np.array([w for w, _ in drawn])
+    flat = np.array(
+        [
+            np.concatenate([np.asarray(g[i], "float64") for i in variables])
+            for _, g in drawn
+        ]
+    )
+    small = np.mean((flat**2).sum(1))
+    small_batch = len(drawn) / (1.0 / weights).sum()
+    big_batch = weights.sum()
+    big = ((weights @ flat / big_batch) ** 2).sum()
+    sq_norm = (big_batch * big - small_batch * small) / (
+        big_batch - small_batch
+    )
+    trace = (small - big) / (1 / small_batch - 1 / big_batch)
+    return sq_norm, trace
+
+
+def _assert_windows_match(windows, momentum, ours_of, variables=None):
+    """Each window's estimates, their moving averages and `noise_scale`
+    against numpy."""
+    averages, total = np.zeros(2), 0.0
+    for number, window in enumerate(windows):
+        ours = ours_of(window)
+        expected = np.array(_estimates(window["shares"], variables))
+        actual = [ours["window_gradient_sq_norm"], ours["window_noise_trace"]]
+        np.testing.assert_allclose(
+            actual, expected, rtol=1e-4, atol=1e-5, err_msg=f"window {number}"
+        )
+        averages = momentum * averages + (1 - momentum) * expected
+        total = momentum * total + (1 - momentum)
+        np.testing.assert_allclose(
+            [ours["gradient_sq_norm"], ours["gradient_noise_trace"]],
+            averages / total,
+            rtol=1e-3,
+            atol=1e-5,
+        )
+        # Infinite while the averaged |G|^2 is not positive.
+        noise_scale = averages[1] / averages[0] if averages[0] > 0 else np.inf
+        np.testing.assert_allclose(ours["noise_scale"], noise_scale, rtol=2e-3)
+
+
+def test_weighted_fit_with_a_skip_and_an_empty_share_matches_numpy(measured):
+    """`weigh_micro_batches` in `fit`: shares weigh the sums of their
+    sample weights; a micro-batch with a NaN in one replica's share is
+    skipped by both; the flushed last window holds a share of one sample
+    and an empty one (weight 0, no sample)."""
+    result = measured["fit"]
+    assert "error" not in result, result["error"]
+    assert [len(s) for s in result["split"][-1]] == [1, 0]
+    windows = result["windows"]
+    _assert_windows_match(windows, measured["momentum"], lambda w: w["ours"])
+    last = windows[-1]
+    assert last["ours"]["iterations"] == 3
+    assert last["ours"]["skipped_micro_batches"] == 1
+    # The last window: 3 shares drawn of 4, one of them of one sample.
+    assert sum(w > 0 for w, _ in last["shares"]) == 3
+
+
+def test_unweighted_custom_loop_counts_each_share_as_a_micro_batch(measured):
+    result = measured["custom_loop"]
+    assert "error" not in result, result["error"]
+    windows = result["windows"]
+    assert [len(w["shares"]) for w in windows] == [4, 4]  # 2 x 2 replicas
+    _assert_windows_match(windows, measured["momentum"], lambda w: w["ours"][0])
+
+
+def test_multi_optimizer_inner_optimizers_measure_their_own_variables(
+    measured,
+):
+    result = measured["multi_optimizer"]
+    assert "error" not in result, result["error"]
+    biases = [i for i, p in enumerate(result["paths"]) if re.search("bias", p)]
+    kernels = [i for i in range(len(result["paths"])) if i not in biases]
+    assert biases and kernels
+    for inner, variables in enumerate([kernels, biases]):
+        _assert_windows_match(
+            result["windows"],
+            measured["momentum"],
+            lambda w, inner=inner: w["ours"][inner],
+            variables,
+        )

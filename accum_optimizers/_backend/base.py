@@ -194,6 +194,10 @@ class Accumulation:
         for the noise scale."""
         return sums_of_squares(grads)
 
-    def _accum_check_noise_scale_supported(self):
-        """Raises where the noise scale cannot be measured (see
-        `_backend.tensorflow`)."""
+    def _accum_replicas(self):
+        """The number of replicas `R` whose gradients each arrive divided
+        by `R` and are added over them once per window (tf.distribute, as
+        Keras' losses divide them); 1 where programs see global arrays
+        (keras.distribution) or each rank's gradients are its own mean
+        (torch `sync_windows`)."""
+        return 1

@@ -174,21 +174,11 @@ class TFAccumulation(Accumulation):
             merged.append(grad)
         return super()._accum_sums_of_squares(merged)
 
-    def _accum_check_noise_scale_supported(self):
-        replica_context = tf.distribute.get_replica_context()
-        if replica_context is not None and (
-            replica_context.num_replicas_in_sync > 1
-        ):
-            # Each replica holds its shard's gradient, scaled by Keras'
-            # loss reduction over replicas; the window's estimator would
-            # need each shard's weight and scale, which it does not have.
-            raise ValueError(
-                "`measure_noise_scale=True` is not supported under a "
-                "tf.distribute strategy with more than one replica yet; "
-                "use keras.distribution (JAX) or "
-                "torch_distributed.sync_windows. Received: "
-                f"num_replicas_in_sync={replica_context.num_replicas_in_sync}"
-            )
+    def _accum_replicas(self):
+        # The optimizer's strategy, which Keras' losses divide by
+        # (`scale_loss_for_distribution`): also where `flush` runs outside
+        # its scope, the window's variables are its.
+        return self._distribution_strategy.num_replicas_in_sync
 
     def _accum_zero_weight_allowed(self):
         # A replica whose shard of the micro-batch is empty weighs 0.

@@ -22,10 +22,37 @@ is the noise scale `B_simple = tr(Sigma) / |G|^2`, in the unit of the
 window's weight: samples (or tokens) when windows are weighted
 (`weigh_micro_batches`, `apply(..., weight=n)`), micro-batches otherwise.
 
+A micro-batch of weight 0 (a replica's empty share of the micro-batch, a
+micro-batch whose sample weights are all 0) holds no sample: it adds
+nothing to the sums (a `1 / 0` would make the window's estimates NaN).
+
+Under `tf.distribute` with `R > 1` replicas, each replica's `apply`
+receives the gradient of its own share of the micro-batch, not yet
+all-reduced (Keras' optimizers all-reduce in `apply`; ours adds the
+window's sums over replicas once, at the close: `_accum_reduce_window`),
+divided by `R` (Keras' losses divide each replica's loss by the replica
+count), with the share's own weight `n_rj`. The window's mean is then
+`sum n_rj g_rj / N` over replicas and micro-steps, `g_rj` the share's mean
+gradient and `N = sum n_rj`: each share is a micro-batch of the window,
+one more draw at its own weight, and the two expectations above hold with
+the window's shares (those of weight > 0) in place of its micro-batches.
+So each replica adds `R^2 |x_rj|^2` (`x_rj = g_rj / R`, what it holds),
+`1 / n_rj` and `1` to its own sums, which the close all-reduces with the
+gradients' sums; `B_small` is the harmonic mean of the shares' weights
+and `B_big = N = R T`, `T` the total weight the close sees (summed over
+replicas and divided by `R`, as the gradients are). The replicas' own
+norms are the samples at `B_small`: the global micro-batch's norm would
+need the gradients all-reduced on every micro-step, the exchange the
+window saves. Unweighted, a share counts 1: the unit is a replica's share
+of the micro-batch, the micro-batch its `apply` receives (as a rank's
+under torch's `sync_windows`); weighted, samples. A window of one
+micro-step then gives estimates too, from its `R` shares.
+
 Each micro-step adds one sum of squares per gradient, the pass that
 `skip_nonfinite`'s check reads too (a sum of squares is non-finite where an
 entry is, or where the squares overflow), and three scalars; the close
-turns them into the estimates. No parameter-sized buffer.
+turns them into the estimates. No parameter-sized buffer, and no exchange
+beyond the window's own.
 """
 
 import numpy as np
@@ -52,7 +79,6 @@ class WindowNoise:
         or `None` where the optimizer does not measure the noise scale."""
         if not self.measure_noise_scale:
             return None
-        self._accum_check_noise_scale_supported()
         return self._accum_sums_of_squares(grads)
 
     def _accum_noise_counts(self, micro_batch, finite):
@@ -64,8 +90,21 @@ class WindowNoise:
         sq_norm = (
             ops.sum(ops.stack(squares)) if squares else ops.zeros((), "float32")
         )
+        replicas = self._accum_replicas()
+        if replicas > 1:
+            # A replica's gradient arrives divided by the replica count (as
+            # Keras' losses scale it): its share's own mean is R times it.
+            sq_norm = ops.multiply(sq_norm, float(replicas * replicas))
+        enters = finite
         weight = micro_batch.weight
-        weight = 1.0 if weight is None else ops.cast(weight, "float32")
+        if weight is None:
+            weight = 1.0
+        else:
+            weight = ops.cast(weight, "float32")
+            # A micro-batch (a replica's share) of weight 0 is no sample.
+            drawn = ops.greater(weight, 0.0)
+            weight = ops.where(drawn, weight, 1.0)
+            enters = drawn if finite is None else ops.logical_and(drawn, finite)
         if micro_batch.scaled:
             # `fit`'s gradients arrive multiplied by the weight (see
             # `scale_loss`): the micro-batch's own mean is theirs over it.
@@ -77,7 +116,7 @@ class WindowNoise:
         }
         return {
             name: ops.add(
-                getattr(self, f"_accum_{name}").value, masked(value, finite)
+                getattr(self, f"_accum_{name}").value, masked(value, enters)
             )
             for name, value in added.items()
         }
@@ -96,11 +135,17 @@ class WindowNoise:
     def _accum_close_noise(self, sums, big_sq_norm, total_weight):
         """The window's two estimates and their averages, from its reduced
         noise `sums` (`_accum_noise_window_values`), the squared norm of its
-        mean gradient and its total weight."""
+        mean gradient and its total weight (as the close computes it: over
+        replicas, divided by their count)."""
         if not sums:
             return
+        batch_big = ops.cast(total_weight, "float32")
+        replicas = self._accum_replicas()
+        if replicas > 1:
+            # The replicas' shares' total weight: `B_big`.
+            batch_big = ops.multiply(batch_big, float(replicas))
         gradient_sq_norm, trace, valid = _window_estimates(
-            *sums, big_sq_norm, total_weight
+            *sums, big_sq_norm, batch_big
         )
         nan = ops.convert_to_tensor(float("nan"), "float32")
         self._accum_window_gradient_sq_norm.assign(
@@ -281,7 +326,8 @@ def _window_estimates(
     Args:
         sq_norm_sum: the sum of its micro-batches' squared gradient norms.
         inverse_weight_sum: the sum of `1 / n_j`, their weights'.
-        count: how many micro-batches it holds (`m`).
+        count: how many micro-batches it holds (`m`; under tf.distribute,
+            the replicas' shares).
         big_sq_norm: the squared norm of its mean gradient.
         total_weight: its total weight, `B_big`.
 
