@@ -124,6 +124,8 @@ class GradientAccumulation(
         self.skip_nonfinite = accumulation["skip_nonfinite"]
         self.accumulator_dtype = accumulation["accumulator_dtype"]
         self.decay = decay
+        # Whether a micro-batch has carried a weight (`_window/step.py`).
+        self._accum_counts_weights = False
 
     def _accum_parent_arguments(self, args, kwargs, lr):
         """Binds the parent's arguments, so that what the user passed

@@ -120,6 +120,13 @@ def test_weighted_fit_with_a_skip_and_an_empty_share_matches_numpy(measured):
     assert last["ours"]["skipped_micro_batches"] == 1
     # The last window: 3 shares drawn of 4, one of them of one sample.
     assert sum(w > 0 for w, _ in last["shares"]) == 3
+    # Weighted windows count every replica's samples (it counted their
+    # mean over replicas, half of them).
+    np.testing.assert_allclose(
+        last["ours"]["samples_seen"],
+        sum(w for window in windows for w, _ in window["shares"]),
+        rtol=1e-6,
+    )
 
 
 def test_unweighted_custom_loop_counts_each_share_as_a_micro_batch(measured):
@@ -128,6 +135,8 @@ def test_unweighted_custom_loop_counts_each_share_as_a_micro_batch(measured):
     windows = result["windows"]
     assert [len(w["shares"]) for w in windows] == [4, 4]  # 2 x 2 replicas
     _assert_windows_match(windows, measured["momentum"], lambda w: w["ours"][0])
+    # Unweighted windows count global micro-batches: 2 per window.
+    assert windows[-1]["ours"][0]["samples_seen"] == 4.0
 
 
 def test_multi_optimizer_inner_optimizers_measure_their_own_variables(

@@ -194,6 +194,11 @@ class Accumulation:
         for the noise scale."""
         return sums_of_squares(grads)
 
+    def _accum_samples_in(self, total_weight):
+        """What a closing window adds to `samples_seen`, from its total
+        weight as the close divides by it."""
+        return total_weight
+
     def _accum_replicas(self):
         """The number of replicas `R` whose gradients each arrive divided
         by `R` and are added over them once per window (tf.distribute, as

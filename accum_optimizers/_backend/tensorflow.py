@@ -180,6 +180,15 @@ class TFAccumulation(Accumulation):
         # its scope, the window's variables are its.
         return self._distribution_strategy.num_replicas_in_sync
 
+    def _accum_samples_in(self, total_weight):
+        # The close divides by the replicas' mean total weight, as their
+        # gradients arrive divided by R. A window of micro-batches counts
+        # global micro-batches, one per step: that mean. A weighted one
+        # counts each replica's samples: their sum.
+        if self._accum_counts_weights:
+            return total_weight * float(self._accum_replicas())
+        return total_weight
+
     def _accum_zero_weight_allowed(self):
         # A replica whose shard of the micro-batch is empty weighs 0.
         replica_context = tf.distribute.get_replica_context()

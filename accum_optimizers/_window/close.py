@@ -104,7 +104,7 @@ class WindowClose:
         )
         # After the update, whose learning rate is that of the samples
         # seen before the window.
-        self._accum_count_samples(total_weight)
+        self._accum_count_samples(self._accum_samples_in(total_weight))
         self._accum_end_window()
 
     def _accum_reduced_window(self, sums):

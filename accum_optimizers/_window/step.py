@@ -86,6 +86,9 @@ class WindowStep:
                 valid = ops.isfinite(ops.cast(weight, "float32"))
         if weight is not None:
             self._accum_check_weighable()
+            # Windows count samples from now on: a Python fact, known when
+            # a compiled step is traced (see `_accum_samples_in`).
+            self._accum_counts_weights = True
         if weight is not None and check:
             weight, checked = self._accum_checked_weight(weight)
         micro_batch = _MicroBatch(weight, scaled, loss, valid, pending.finite)
