@@ -22,20 +22,20 @@
   same micro-batches: each checking its own variables only would let one
   skip a micro-batch another adds, and their windows drift apart.
 
-Any other optimizer behaves as Keras wrote it. The patches know the
-accumulating optimizers by their class's `_accum_parent` and talk to them
-through `_inputs`, not through their class.
+Any other optimizer behaves as Keras wrote it. The patches hand the
+accumulating optimizers their values through `_inputs`.
 """
 
 import keras
 import numpy as np
 
 from accum_optimizers import _inputs
+from accum_optimizers._accumulation import GradientAccumulation
 
 
 def _accumulates(optimizer):
     """Whether `optimizer` is of an accumulating class (any `accum_iters`)."""
-    return getattr(type(optimizer), "_accum_parent", None) is not None
+    return isinstance(optimizer, GradientAccumulation)
 
 
 def install():

@@ -143,7 +143,7 @@ class WindowClose:
         if (
             self._accumulates
             and self.built
-            and not getattr(self, "_accum_flush_at_train_end", False)
+            and not self.flush_at_train_end
         ):
             try:
                 pending = ops.convert_to_numpy(self._accum_micro_steps.value)

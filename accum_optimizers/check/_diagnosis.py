@@ -211,7 +211,7 @@ def _sparse_embedding(setup):
         for layer in setup.layers(keras.layers.Embedding)
         if layer.trainable
     ]
-    parent = _inner(setup.optimizer)._accum_parent
+    parent = _inner(setup.optimizer).parent_class
     if not layers or not _updates_sparse_rows_apart(parent):
         return None
     return Cause(

@@ -136,7 +136,7 @@ def fresh_optimizers(optimizer):
             )
         )
     parent = _ignoring_window_arguments(
-        type(inner)._accum_parent.from_config(parent_config)
+        inner.parent_class.from_config(parent_config)
     )
     if scale is not None:
         accumulating = keras.optimizers.LossScaleOptimizer(
