@@ -140,9 +140,7 @@ def sync_windows(
         from accum_optimizers._backend.torch_overlap import Overlap
 
         overlap = Overlap(optimizer, model, process_group, bucket_bytes)
-    set_window_sync(
-        optimizer, WindowSync(process_group, bucket_bytes, overlap)
-    )
+    set_window_sync(optimizer, WindowSync(process_group, bucket_bytes, overlap))
     return optimizer
 
 
