@@ -231,7 +231,9 @@ def test_flush_at_train_end_stands_while_flush_accumulation_trains():
     model.compile(optimizer=optimizer, loss="mse")
     seen = []
     watch = keras.callbacks.LambdaCallback(
-        on_train_batch_end=lambda *_: seen.append(optimizer.flush_at_train_end)
+        on_train_batch_end=lambda batch, logs: seen.append(
+            optimizer.flush_at_train_end
+        )
     )
     model.fit(
         x,
