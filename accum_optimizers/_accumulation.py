@@ -73,7 +73,7 @@ class GradientAccumulation(
     """Mixin that makes a Keras optimizer accumulate gradients.
 
     Classes are made with `accum_optimizers.accumulating(parent)`, which
-    puts this mixin before `parent` in the bases and sets `_accum_parent`.
+    puts this mixin before `parent` in the bases and sets `parent_class`.
     See the module docstring for the mechanism; the window's parts are in
     `_window/` (its declared state, a micro-step, its close, its counts,
     its saving) and each backend's arrangement in `_backend/`.
@@ -82,9 +82,21 @@ class GradientAccumulation(
         *args: the parent optimizer's positional arguments, in its order.
     {accumulation_args}
         **kwargs: the parent optimizer's keyword arguments.
+
+    Attributes:
+        parent_class: the Keras optimizer class the class accumulates for
+            (`keras.optimizers.Adam` for `AdamAccumulate`): its update is
+            the one applied once per window.
+        flush_at_train_end: Boolean. Whether something flushes the pending
+            window when training ends; `fit`'s end then leaves the window
+            to it instead of warning that one is pending.
+            `FlushAccumulation(at_train_end=True)` sets it for the length
+            of `fit`, as `EarlyStopping` sets `model.stop_training`.
+            Defaults to `False`.
     """
 
-    _accum_parent = None
+    parent_class = None
+    flush_at_train_end = False
 
     def __init__(self, *args, **kwargs):
         accumulation = _args.checked(
@@ -131,7 +143,7 @@ class GradientAccumulation(
         """Binds the parent's arguments, so that what the user passed
         explicitly is known (`lr` with `learning_rate` is refused even when
         `learning_rate` equals its default)."""
-        signature = inspect.signature(self._accum_parent.__init__)
+        signature = inspect.signature(self.parent_class.__init__)
         try:
             arguments = signature.bind_partial(None, *args, **kwargs)
         except TypeError as error:

@@ -3,11 +3,17 @@ the one a `LossScaleOptimizer` wraps, or those of a `MultiOptimizer`; and
 a `MultiOptimizer`'s update count; a model's, checked for the callbacks.
 Used by the callbacks, the planner and `weigh_micro_batches`."""
 
+import weakref
+
 import keras
 
 from accum_optimizers import _keras_private
 from accum_optimizers._accumulation import GradientAccumulation
 from accum_optimizers.layers import AccumBatchNormalization
+
+# The `MultiOptimizer`s whose `apply` `count_updates_in_multi_optimizer`
+# wrapped, held weakly: an entry goes with its optimizer.
+_COUNTING_UPDATES = weakref.WeakSet()
 
 
 def accumulating_optimizers(optimizer):
@@ -60,7 +66,7 @@ def count_updates_in_multi_optimizer(optimizer, sync=True):
     if len(configs) != 1:
         return
     reference = accumulating[0]
-    if not optimizer.__dict__.get("_accum_counts_updates", False):
+    if optimizer not in _COUNTING_UPDATES:
         apply = optimizer.apply
 
         def counting_apply(grads, trainable_variables=None):
@@ -69,7 +75,7 @@ def count_updates_in_multi_optimizer(optimizer, sync=True):
                 optimizer.iterations.assign(reference.iterations)
 
         optimizer.apply = counting_apply
-        optimizer._accum_counts_updates = True
+        _COUNTING_UPDATES.add(optimizer)
     if sync and optimizer.built and reference.built:
         optimizer.iterations.assign(reference.iterations)
 

@@ -15,9 +15,19 @@ Each is put here for one optimizer in the current thread (replicas of
 `tf.distribute` run in threads of their own) and taken, all at once, by
 that optimizer's next `apply`. A wrapper that calls `apply` discards what
 is left when the call raises or skips, so nothing carries over to the next
-micro-batch. This is the only module that keeps them.
+micro-batch.
+
+Upstream of the weight, `weigh_micro_batches` records the Keras loss
+reductions of the micro-batch's loss while it is computed (the arguments
+of `reduce_weighted_values`, from which it reads the count the loss was
+divided by): `record_loss_reductions` collects them here, in the thread
+that computes the loss, from `_keras_private`'s wrapper of that function.
+
+This is the only module that keeps these values, and the only one that
+uses `threading`.
 """
 
+import contextlib
 import threading
 
 _local = threading.local()
@@ -108,3 +118,26 @@ def discard(optimizer):
     """Drops what was put for `optimizer` and not taken (its `apply`
     raised, or a wrapper skipped it)."""
     _pending().pop(id(optimizer), None)
+
+
+@contextlib.contextmanager
+def record_loss_reductions():
+    """Context that yields a list collecting the loss reductions noted in
+    this thread inside it (`loss_reductions_recording`). Nested, the
+    innermost collects."""
+    recordings = getattr(_local, "loss_reductions", None)
+    if recordings is None:
+        recordings = _local.loss_reductions = []
+    records = []
+    recordings.append(records)
+    try:
+        yield records
+    finally:
+        recordings.pop()
+
+
+def loss_reductions_recording():
+    """The list of this thread's innermost `record_loss_reductions`, where
+    a loss reduction is to be added, or `None` outside one."""
+    recordings = getattr(_local, "loss_reductions", None)
+    return recordings[-1] if recordings else None

@@ -192,12 +192,9 @@ class AccumulationLogger(keras.callbacks.Callback):
         if self.update_freq == "epoch" or steps == 1:
             return
         optimizer = self._optimizer()
-        schedule = optimizer._accum_schedule
-        smallest = (
-            optimizer.accum_iters
-            if schedule is None
-            else schedule.min_accum_iters
-        )
+        smallest = schedules.get(optimizer.accum_iters)
+        if isinstance(smallest, schedules.AccumSchedule):
+            smallest = smallest.min_accum_iters
         # An execution of at most `smallest` micro-batches closes at most
         # one window (a skipped micro-batch only makes one longer).
         if steps <= smallest:
@@ -301,11 +298,10 @@ class AccumulationLogger(keras.callbacks.Callback):
             # window is not known.)
             # The window that produced update `updates` (counting from 1)
             # had the size the schedule gave at `updates - 1`.
-            produced = int(
-                ops.convert_to_numpy(
-                    optimizer._accum_window_size(max(updates - 1, 0))
-                )
-            )
+            produced = schedules.get(optimizer.accum_iters)
+            if isinstance(produced, schedules.AccumSchedule):
+                produced = ops.cast(produced(max(updates - 1, 0)), "int32")
+            produced = int(ops.convert_to_numpy(produced))
             scalars["effective_batch_size"] = self.batch_size * produced
         for name, value in scalars.items():
             self._writer.scalar(f"accumulation/{name}", value, step=updates)

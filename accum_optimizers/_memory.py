@@ -11,6 +11,7 @@ from keras import backend
 from keras import ops
 
 from accum_optimizers import _keras_private
+from accum_optimizers._window.counts import regroup_window
 
 _UNITS = {
     "": 1,
@@ -110,8 +111,7 @@ def probe(model, optimizers, batch):
     saved = [np.array(ops.convert_to_numpy(v.value)) for v in variables]
     for optimizer in optimizers:
         if optimizer._accumulates:
-            closing = np.array(optimizer.accum_iters - 1, "int32")
-            optimizer._accum_micro_steps.assign(closing)
+            regroup_window(optimizer, optimizer.accum_iters - 1)
     _reset_peak()
     fits = True
     try:

@@ -3,12 +3,12 @@ training is (`Tracker`), whether the failed step can be retried exactly,
 and the pending window re-cut at the new micro-batch."""
 
 import keras
-import numpy as np
 from keras import backend
 from keras import ops
 
 from accum_optimizers import _keras_private
 from accum_optimizers._memory import is_out_of_memory
+from accum_optimizers._window.counts import regroup_window
 
 
 def continue_window(optimizers, plan, position):
@@ -19,7 +19,7 @@ def continue_window(optimizers, plan, position):
     remaining = -(-(plan.target_batch_size - done) // plan.micro_batch_size)
     micro_steps = plan.accum_iters - remaining if done else 0
     for optimizer in optimizers:
-        optimizer._accum_micro_steps.assign(np.array(micro_steps, "int32"))
+        regroup_window(optimizer, micro_steps)
     return micro_steps
 
 

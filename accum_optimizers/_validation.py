@@ -1,5 +1,5 @@
 """Checks of the accumulation arguments: at construction, and of the
-`weight` of each `apply`."""
+`weight` of each `apply` (and whether a window may be weighed at all)."""
 
 import math
 import numbers
@@ -163,6 +163,24 @@ def validate_weight(value, weight, zero_allowed=False):
             f"count). Received: weight={weight!r}"
         )
     return float(np.float32(value))
+
+
+def validate_weighable(accumulator_dtype):
+    """Refuses weights (`weight=`, `weigh_micro_batches`) where a window
+    sums in float16: `weight * grad` overflows float16's range (65504) at
+    token counts.
+
+    Args:
+        accumulator_dtype: the `accumulator_dtype` of an optimizer with a
+            window.
+    """
+    if accumulator_dtype == "float16":
+        raise ValueError(
+            "Weighted windows (`weight=`, `weigh_micro_batches`) need an "
+            "accumulator with float32's range: a weighted gradient "
+            "overflows float16. Pass accumulator_dtype='bfloat16', "
+            "'float32' or None. Received: accumulator_dtype='float16'"
+        )
 
 
 def validate_loss(loss):

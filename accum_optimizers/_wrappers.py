@@ -22,20 +22,31 @@
   same micro-batches: each checking its own variables only would let one
   skip a micro-batch another adds, and their windows drift apart.
 
-Any other optimizer behaves as Keras wrote it. The patches know the
-accumulating optimizers by their class's `_accum_parent` and talk to them
-through `_inputs`, not through their class.
+Any other optimizer behaves as Keras wrote it. The patches hand the
+accumulating optimizers their values through `_inputs`.
 """
+
+import weakref
 
 import keras
 import numpy as np
 
 from accum_optimizers import _inputs
+from accum_optimizers._accumulation import GradientAccumulation
+from accum_optimizers._backend import outside_compiled_code
+from accum_optimizers._window.restore import pending_restore
+
+# The Keras classes `install` patched (a second `install` leaves them be).
+_PATCHED = set()
+
+# The saved state (loss scale, step counter, then the inner optimizer's) of
+# each unbuilt `LossScaleOptimizer`, kept for its `build`; held weakly.
+_PENDING_SCALE_STATE = weakref.WeakKeyDictionary()
 
 
 def _accumulates(optimizer):
     """Whether `optimizer` is of an accumulating class (any `accum_iters`)."""
-    return getattr(type(optimizer), "_accum_parent", None) is not None
+    return isinstance(optimizer, GradientAccumulation)
 
 
 def install():
@@ -46,7 +57,7 @@ def install():
 
 def _install_loss_scale():
     cls = keras.optimizers.LossScaleOptimizer
-    if getattr(cls, "_accum_installed", False):
+    if cls in _PATCHED:
         return
     load_own_variables, build = cls.load_own_variables, cls.build
     apply, stateless_apply = cls.apply, cls.stateless_apply
@@ -82,13 +93,13 @@ def _install_loss_scale():
         if self.built or not _accumulates(self.inner_optimizer):
             return load_own_variables(self, store)
         values = [np.array(store[str(i)]) for i in range(len(store.keys()))]
-        self._accum_pending_scale_state = tuple(values)
+        _PENDING_SCALE_STATE[self] = tuple(values)
 
     def restoring_build(self, var_list):
-        pending = self.__dict__.pop("_accum_pending_scale_state", None)
+        pending = _PENDING_SCALE_STATE.pop(self, None)
         # The inner optimizer's own saved state (its part of `pending`),
         # kept for its build when it was saved trained.
-        inner = self.inner_optimizer.__dict__.get("_accum_pending_restore")
+        inner = pending_restore(self.inner_optimizer)
         build(self, var_list)
         if pending is None or inner is None:
             return  # Saved untrained: a fresh loss scale is the saved one.
@@ -107,7 +118,7 @@ def _install_loss_scale():
             )
         # TensorFlow builds it while tracing the first train step: assign
         # once, now, not in the traced step.
-        with self.inner_optimizer._accum_outside_compiled_code():
+        with outside_compiled_code():
             for variable, value in zip(own, saved):
                 variable.assign(value)
 
@@ -123,12 +134,12 @@ def _install_loss_scale():
     cls.stateless_apply = weighing(stateless_apply)
     cls.load_own_variables = deferring_load_own_variables
     cls.build = restoring_build
-    cls._accum_installed = True
+    _PATCHED.add(cls)
 
 
 def _install_multi_optimizer():
     cls = getattr(keras.optimizers, "MultiOptimizer", None)
-    if cls is None or getattr(cls, "_accum_installed", False):
+    if cls is None or cls in _PATCHED:
         return
     scale_loss, apply = cls.scale_loss, cls.apply
 
@@ -159,4 +170,4 @@ def _install_multi_optimizer():
     agreeing_apply.__doc__ = apply.__doc__
     cls.scale_loss = noting_scale_loss
     cls.apply = agreeing_apply
-    cls._accum_installed = True
+    _PATCHED.add(cls)

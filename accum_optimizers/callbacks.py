@@ -45,7 +45,10 @@ class FlushAccumulation(keras.callbacks.Callback):
         at_train_end: Boolean. Flush at the end of training: at the end of
             the last epoch (before `fit` overwrites weights with their EMA
             when `use_ema=True`), and again in `on_train_end` if training
-            stopped early with a window pending. Defaults to `True`.
+            stopped early with a window pending. While it trains, the
+            optimizers' `flush_at_train_end` is `True`: the end of `fit`
+            leaves the window to this callback instead of warning that one
+            is pending. Defaults to `True`.
     """
 
     def __init__(
@@ -82,7 +85,7 @@ class FlushAccumulation(keras.callbacks.Callback):
             # The optimizer's end-of-`fit` warning about a pending window
             # is for runs without this callback.
             for optimizer in optimizers:
-                optimizer._accum_flush_at_train_end = True
+                optimizer.flush_at_train_end = True
         self._epoch_flush_due = False
         self._evaluating = 0
         self._hook_epoch_end()
@@ -147,8 +150,8 @@ class FlushAccumulation(keras.callbacks.Callback):
         self._unhook_epoch_end()
         if self.at_train_end:
             self._flush()
-        for optimizer in accumulating_optimizers(self.model.optimizer):
-            optimizer._accum_flush_at_train_end = False
+            for optimizer in accumulating_optimizers(self.model.optimizer):
+                optimizer.flush_at_train_end = False
 
     def get_config(self) -> dict[str, Any]:
         return {

@@ -40,7 +40,7 @@ def accumulating(
     `optimizer_class`'s own update, so `accum_iters` micro-batches of size
     `b` train exactly like one batch of `accum_iters * b`. Calling it twice
     with one class returns the same class; an accumulating class is
-    returned as it is.
+    returned as it is. The class's `parent_class` is `optimizer_class`.
 
     ```python
     class MyOptimizer(keras.optimizers.Optimizer):
@@ -99,7 +99,7 @@ def accumulating(
             "__qualname__": name,
             "__doc__": _docstring(optimizer_class),
             "__init__": __init__,
-            "_accum_parent": optimizer_class,
+            "parent_class": optimizer_class,
         },
     )
     registered = keras.saving.get_registered_object(f"{_PACKAGE}>{name}")
@@ -107,7 +107,7 @@ def accumulating(
         raise ValueError(
             f"Cannot make `{name}` for {optimizer_class!r}: that name is "
             "already registered (for "
-            f"{getattr(registered, '_accum_parent', registered)!r}). Rename "
+            f"{getattr(registered, 'parent_class', registered)!r}). Rename "
             "one of the two optimizer classes."
         )
     _CLASSES[optimizer_class] = register_keras_serializable(_PACKAGE)(cls)
@@ -159,6 +159,10 @@ def _docstring(optimizer_class):
         "Args:\n"
         f"{parent_args}"
         f"{_args.docstring(f'`{parent}`')}\n\n"
+        "Attributes:\n"
+        f"    parent_class: `{parent}`, whose update is applied once per "
+        "window.\n"
+        f"{_FLUSH_AT_TRAIN_END}\n\n"
         f"`{parent}`'s documentation:\n\n"
         f"{parent_rest}\n"
     )
@@ -180,6 +184,15 @@ def _split_args(text):
     args = [line for line in lines[start + 1 : end] if line.strip()]
     rest = lines[:start] + lines[end:]
     return "".join(f"{line}\n" for line in args), "\n".join(rest).strip()
+
+
+# `GradientAccumulation.flush_at_train_end`, in the classes' docstrings.
+_FLUSH_AT_TRAIN_END = """\
+    flush_at_train_end: Boolean. Whether something flushes the pending
+        window when training ends; `fit`'s end then leaves the window to it
+        instead of warning that one is pending.
+        `FlushAccumulation(at_train_end=True)` sets it for the length of
+        `fit`. Defaults to `False`."""
 
 
 _BASE_ARGS = """\

@@ -20,16 +20,6 @@ import keras
 DEFAULT_BUCKET_CAP_MB = 25
 
 
-class _WindowSync:
-    """What `sync_windows` attached: the process group, the bucket size in
-    bytes, and the last backward's hooks (`None` without `model`)."""
-
-    def __init__(self, process_group, bucket_bytes, overlap):
-        self.process_group = process_group
-        self.bucket_bytes = bucket_bytes
-        self.overlap = overlap
-
-
 def sync_windows(
     optimizer,
     process_group=None,
@@ -94,6 +84,9 @@ def sync_windows(
     import torch.distributed as dist
 
     from accum_optimizers._accumulation import GradientAccumulation
+    from accum_optimizers._backend.torch import WindowSync
+    from accum_optimizers._backend.torch import set_window_sync
+    from accum_optimizers._backend.torch import window_sync
 
     if not isinstance(optimizer, GradientAccumulation):
         raise ValueError(
@@ -139,7 +132,7 @@ def sync_windows(
             "(torch.distributed.init_process_group) before it is called."
         )
     bucket_bytes = int(bucket_cap_mb * 2**20)
-    old = getattr(optimizer, "_accum_window_sync", None)
+    old = window_sync(optimizer)
     if old is not None and old.overlap is not None:
         old.overlap.remove()
     overlap = None
@@ -147,9 +140,7 @@ def sync_windows(
         from accum_optimizers._backend.torch_overlap import Overlap
 
         overlap = Overlap(optimizer, model, process_group, bucket_bytes)
-    optimizer._accum_window_sync = _WindowSync(
-        process_group, bucket_bytes, overlap
-    )
+    set_window_sync(optimizer, WindowSync(process_group, bucket_bytes, overlap))
     return optimizer
 
 
@@ -174,9 +165,10 @@ def weigh_next_backward(optimizer, weight):
     """
     import numpy as np
 
+    from accum_optimizers._backend.torch import window_sync
     from accum_optimizers._validation import validate_weight
 
-    sync = getattr(optimizer, "_accum_window_sync", None)
+    sync = window_sync(optimizer)
     if sync is None or sync.overlap is None:
         raise ValueError(
             "weigh_next_backward() is for an optimizer under "

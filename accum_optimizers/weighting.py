@@ -15,6 +15,8 @@ arguments of their reduction) and hand it to the optimizer with the
 micro-batch's gradients, on every backend and under `tf.distribute`.
 """
 
+import weakref
+
 import keras
 import numpy as np
 from keras import ops
@@ -24,8 +26,13 @@ from accum_optimizers import _keras_private
 from accum_optimizers._inner import accumulating_optimizers
 from accum_optimizers._inner import count_updates_in_multi_optimizer
 from accum_optimizers._validation import concrete_value
+from accum_optimizers._validation import validate_weighable
 
 _DIVIDED_BY_COUNT = ("sum_over_batch_size", "mean")
+
+# The models `weigh_micro_batches` wrapped, held weakly: a model's entry
+# goes with it.
+_WEIGHED = weakref.WeakSet()
 
 
 def weigh_micro_batches(model):
@@ -58,8 +65,9 @@ def weigh_micro_batches(model):
             f"model={model!r} of type {type(model).__name__}"
         )
     for optimizer in accumulating_optimizers(getattr(model, "optimizer", None)):
-        optimizer._accum_check_weighable()
-    if getattr(model, "_accum_weighs_micro_batches", False):
+        if optimizer._accumulates:
+            validate_weighable(optimizer.accumulator_dtype)
+    if weighs_micro_batches(model):
         return model
     compute_loss = model.compute_loss
     takes_training = model._compute_loss_has_training_arg
@@ -101,10 +109,23 @@ def weigh_micro_batches(model):
 
     model.compute_loss = weighed_compute_loss
     model._compute_loss_has_training_arg = True
-    model._accum_weighs_micro_batches = True
+    _WEIGHED.add(model)
     # A train function traced before would keep the unweighted loss.
     model.train_function = None
     return model
+
+
+def weighs_micro_batches(model):
+    """Whether `weigh_micro_batches(model)` wrapped `model`'s
+    `compute_loss` (`check_exactness` weighs its runs' models alike).
+
+    Args:
+        model: a `keras.Model`.
+
+    Returns:
+        A bool.
+    """
+    return model in _WEIGHED
 
 
 def _refuse_torch_compile(model):

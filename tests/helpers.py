@@ -358,4 +358,4 @@ def window_state(optimizer):
 
 def parent_class(cls):
     """The Keras optimizer class an accumulating class was made from."""
-    return cls._accum_parent
+    return cls.parent_class

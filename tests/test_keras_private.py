@@ -298,15 +298,30 @@ def test_compute_loss_has_training_arg_reads_the_signature():
     assert old._compute_loss_has_training_arg is False
 
 
-def test_recorded_loss_reductions_see_keras_losses_and_restore_them():
+def test_recorded_loss_reductions_see_keras_losses_of_this_thread_only():
     module = _keras_private.loss_module()
-    original = module.reduce_weighted_values
     loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
+    args = (keras.ops.ones((3, 2)), keras.ops.zeros((3, 2)), [1.0, 2.0, 0.5])
+    elsewhere = []
     with _keras_private.recorded_loss_reductions() as records:
-        loss(keras.ops.ones((3, 2)), keras.ops.zeros((3, 2)), [1.0, 2.0, 0.5])
-    assert module.reduce_weighted_values is original
+        # Another thread's loss, computed while this thread records.
+        thread = threading.Thread(target=lambda: elsewhere.append(loss(*args)))
+        thread.start()
+        thread.join()
+        inside = loss(*args)
     assert [r.reduction for r in records] == ["mean_with_sample_weight"]
     assert tuple(records[0].values.shape) == (3,)
+    # The wrapper stays, installed once, and passes through outside.
+    wrapper = module.reduce_weighted_values
+    with _keras_private.recorded_loss_reductions():
+        pass
+    assert module.reduce_weighted_values is wrapper
+    outside = loss(*args)
+    assert len(records) == 1
+    for value in (elsewhere[0], outside):
+        assert float(keras.ops.convert_to_numpy(value)) == float(
+            keras.ops.convert_to_numpy(inside)
+        )
 
 
 class _Recording(keras.optimizers.SGD):

@@ -224,6 +224,36 @@ def test_a_fit_that_ends_with_a_pending_window_says_so_once():
     assert "FlushAccumulation" in str(pending[0].message)
 
 
+def test_flush_at_train_end_stands_while_flush_accumulation_trains():
+    x, y = regression_data(3, 7 * B)  # 7 micro-batches: 3 pending
+    model = small_model(3)
+    optimizer = SGDAccumulate(accum_iters=K)
+    model.compile(optimizer=optimizer, loss="mse")
+    seen = []
+    watch = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.append(
+            optimizer.flush_at_train_end
+        )
+    )
+    model.fit(
+        x,
+        y,
+        batch_size=B,
+        shuffle=False,
+        verbose=0,
+        callbacks=[FlushAccumulation(), watch],
+    )
+    assert seen == [True] * 7
+    assert optimizer.flush_at_train_end is False
+    # Set by hand (a loop that flushes after `fit` on its own): `fit`
+    # leaves the pending window to it, without a warning.
+    optimizer.flush_at_train_end = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    assert int(keras.ops.convert_to_numpy(optimizer.micro_steps)) == 3
+
+
 @pytest.mark.parametrize("samples, callbacks", [(8 * B, []), (7 * B, None)])
 def test_no_pending_window_warning_when_nothing_is_left(samples, callbacks):
     x, y = regression_data(3, samples)

@@ -1,5 +1,6 @@
 """The backend's accumulation class, chosen once at import as Keras chooses
-its backend optimizer class (`keras/src/optimizers/optimizer.py`)."""
+its backend optimizer class (`keras/src/optimizers/optimizer.py`), and its
+`outside_compiled_code` context for the wrappers' own variables."""
 
 from keras import backend
 
@@ -21,4 +22,9 @@ else:
         f"and 'torch'. Received: KERAS_BACKEND={backend.backend()!r}"
     )
 
-__all__ = ["BackendAccumulation"]
+# The backend's context for assignments that run once, now, even while a
+# compiled function is traced: for variables that are not an accumulating
+# optimizer's (a `LossScaleOptimizer`'s loss scale, restored in `build`).
+outside_compiled_code = BackendAccumulation._accum_outside_compiled_code
+
+__all__ = ["BackendAccumulation", "outside_compiled_code"]

@@ -27,9 +27,12 @@ class Accumulation:
         `reference` (a model variable, or `None`)."""
         return contextlib.nullcontext()
 
-    def _accum_outside_compiled_code(self):
+    @staticmethod
+    def _accum_outside_compiled_code():
         """Context in which assignments run once, now, even while a
-        compiled function is being traced (restoring state in `build`)."""
+        compiled function is being traced (restoring state in `build`).
+        Static: a wrapper's own variables need it too
+        (`_backend.outside_compiled_code`)."""
         return contextlib.nullcontext()
 
     def _accum_after(self, grads):

@@ -58,7 +58,8 @@ class TFAccumulation(Accumulation):
             getattr(reference, "value", reference)
         )
 
-    def _accum_outside_compiled_code(self):
+    @staticmethod
+    def _accum_outside_compiled_code():
         return tf.init_scope()
 
     def _accum_after(self, grads):

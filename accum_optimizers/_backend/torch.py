@@ -44,7 +44,7 @@ class TorchAccumulation(Accumulation):
 
     @torch.no_grad()
     def _accum_reduce_window(self, sums, total_weight):
-        sync = getattr(self, "_accum_window_sync", None)
+        sync = window_sync(self)
         if sync is None:
             return sums, total_weight
         # Each rank's sums are of its own micro-batches' mean gradients,
@@ -69,7 +69,7 @@ class TorchAccumulation(Accumulation):
         return sums, total_weight
 
     def _accum_finite_everywhere(self, finite):
-        sync = getattr(self, "_accum_window_sync", None)
+        sync = window_sync(self)
         if sync is None:
             return finite
         if sync.overlap is not None:
@@ -85,7 +85,7 @@ class TorchAccumulation(Accumulation):
         return bool(flag.item())
 
     def _accum_agree_finite(self, finite):
-        sync = getattr(self, "_accum_window_sync", None)
+        sync = window_sync(self)
         if sync is None:
             return finite
         if sync.overlap is not None and sync.overlap.finite_agreed:
@@ -145,9 +145,37 @@ class TorchAccumulation(Accumulation):
         ]
 
 
+class WindowSync:
+    """How an optimizer's windows cross ranks (`sync_windows`).
+
+    Args:
+        process_group: the `torch.distributed` process group, or `None`
+            for the default one.
+        bucket_bytes: the most bytes of sums one all-reduce carries.
+        overlap: the last backward's hooks (a `torch_overlap.Overlap`), or
+            `None`: the exchange runs at the close.
+    """
+
+    def __init__(self, process_group, bucket_bytes, overlap):
+        self.process_group = process_group
+        self.bucket_bytes = bucket_bytes
+        self.overlap = overlap
+
+
+def window_sync(optimizer):
+    """The `WindowSync` `sync_windows` gave `optimizer`, or `None`."""
+    return getattr(optimizer, "_accum_window_sync", None)
+
+
+def set_window_sync(optimizer, sync):
+    """Makes `optimizer`'s windows cross ranks as `sync` (a `WindowSync`)
+    says, from its next close on."""
+    optimizer._accum_window_sync = sync
+
+
 def _overlap_of(optimizer):
     """The `torch_overlap.Overlap` of `optimizer`, or `None`."""
-    sync = getattr(optimizer, "_accum_window_sync", None)
+    sync = window_sync(optimizer)
     return None if sync is None else sync.overlap
 
 

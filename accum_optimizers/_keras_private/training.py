@@ -5,17 +5,19 @@ the global random state `check_exactness` puts back. Part of
 there."""
 
 import contextlib
-import threading
 
 import keras
+
+from accum_optimizers import _inputs
 
 # -- `weigh_micro_batches` (weighting.py) ------------------------------------
 #
 # Keras' `Loss.__call__` reduces through the module function
 # `keras.src.losses.loss.reduce_weighted_values(values, sample_weight, mask,
-# reduction, dtype)`; while a micro-batch's loss is computed, a wrapper
-# records each call's arguments, from which `weighting.py` reads the count
-# the loss was divided by, with Keras' own `apply_mask` and
+# reduction, dtype)`; a wrapper of it, installed by the first recording and
+# left in place, records each call's arguments in a thread that records
+# (`_inputs.record_loss_reductions`), from which `weighting.py` reads the
+# count the loss was divided by, with Keras' own `apply_mask` and
 # `squeeze_or_expand_to_same_rank`. `Trainer._compute_loss_has_training_arg`
 # says whether `compute_loss` takes `training`.
 
@@ -53,11 +55,6 @@ class LossReduction:
         self.dtype = dtype
 
 
-_recording = threading.local()
-_patch_lock = threading.Lock()
-_patch_state = {"depth": 0, "original": None}
-
-
 def loss_module():
     from keras.src.losses import loss
 
@@ -68,46 +65,52 @@ def loss_module():
 def recorded_loss_reductions():
     """Context that yields the list of `LossReduction`s of the Keras losses
     computed inside it, in this thread."""
-    module = loss_module()
-    records = []
-    stack = getattr(_recording, "stack", None)
-    if stack is None:
-        stack = _recording.stack = []
-    stack.append(records)
-    with _patch_lock:
-        if _patch_state["depth"] == 0:
-            _patch_state["original"] = module.reduce_weighted_values
-            module.reduce_weighted_values = _recording_reduce_weighted_values
-        _patch_state["depth"] += 1
-    try:
+    _record_loss_reductions_in(loss_module())
+    with _inputs.record_loss_reductions() as records:
         yield records
-    finally:
-        stack.pop()
-        with _patch_lock:
-            _patch_state["depth"] -= 1
-            if _patch_state["depth"] == 0:
-                module.reduce_weighted_values = _patch_state["original"]
 
 
-def _recording_reduce_weighted_values(
-    values,
-    sample_weight=None,
-    mask=None,
-    reduction="sum_over_batch_size",
-    dtype=None,
-):
-    stack = getattr(_recording, "stack", None)
-    if stack:
-        stack[-1].append(
-            LossReduction(values, sample_weight, mask, reduction, dtype)
-        )
-    return _patch_state["original"](
+def _record_loss_reductions_in(module):
+    """Wraps `module.reduce_weighted_values`, once and for good.
+
+    The wrapper passes through in a thread that is not recording, so it
+    is never taken off: taking it off as one thread's recording ends would
+    leave another thread's recording without it.
+    """
+    reduce_weighted_values = module.reduce_weighted_values
+    # One read decides: a thread that finds the wrapper leaves it, and two
+    # threads that both find Keras' function wrap that same function.
+    if getattr(reduce_weighted_values, "records_loss_reductions", False):
+        return
+    module.reduce_weighted_values = _recording(reduce_weighted_values)
+
+
+def _recording(reduce_weighted_values):
+    """`reduce_weighted_values` that adds its arguments, as a
+    `LossReduction`, to this thread's recording, if any."""
+
+    def recording_reduce_weighted_values(
         values,
-        sample_weight=sample_weight,
-        mask=mask,
-        reduction=reduction,
-        dtype=dtype,
-    )
+        sample_weight=None,
+        mask=None,
+        reduction="sum_over_batch_size",
+        dtype=None,
+    ):
+        records = _inputs.loss_reductions_recording()
+        if records is not None:
+            records.append(
+                LossReduction(values, sample_weight, mask, reduction, dtype)
+            )
+        return reduce_weighted_values(
+            values,
+            sample_weight=sample_weight,
+            mask=mask,
+            reduction=reduction,
+            dtype=dtype,
+        )
+
+    recording_reduce_weighted_values.records_loss_reductions = True
+    return recording_reduce_weighted_values
 
 
 # -- Trainer internals used by `fit_to_memory` (`memory_fit.py`) -------------

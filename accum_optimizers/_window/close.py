@@ -140,11 +140,7 @@ class WindowClose:
 
     def finalize_variable_values(self, var_list):
         # `fit` calls this once, at the end of training.
-        if (
-            self._accumulates
-            and self.built
-            and not getattr(self, "_accum_flush_at_train_end", False)
-        ):
+        if self._accumulates and self.built and not self.flush_at_train_end:
             try:
                 pending = ops.convert_to_numpy(self._accum_micro_steps.value)
             except TypeError:

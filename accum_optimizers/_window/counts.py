@@ -1,7 +1,9 @@
 """What the window counts and measures, read from outside: the window
 size now, its pending micro-steps, the counts since creation, the samples
-seen and the last window's own metrics."""
+seen and the last window's own metrics; and `regroup_window`, the pending
+count re-cut (`fit_to_memory`)."""
 
+import numpy as np
 from keras import ops
 
 from accum_optimizers import schedules
@@ -134,3 +136,22 @@ class WindowCounts:
             ops.equal(self._accum_micro_steps.value, 0),
             ops.greater(self._accum_micro_batches.value, 0),
         )
+
+
+def regroup_window(optimizer, micro_steps):
+    """Makes `optimizer`'s pending window count `micro_steps` micro-steps,
+    eagerly, keeping its sums and total weight: it closes after
+    `accum_iters - micro_steps` more micro-batches.
+
+    The window's update is its sums over its total weight, however many
+    micro-batches brought them, so a window re-cut at another micro-batch
+    size stays exact: `fit_to_memory` continues one at a smaller
+    micro-batch, and its probe makes the next step close one (then puts
+    every variable back).
+
+    Args:
+        optimizer: a built accumulating optimizer with a window.
+        micro_steps: Integer, `0 <= micro_steps < accum_iters`; `0` only
+            where the window holds no micro-batch.
+    """
+    optimizer._accum_micro_steps.assign(np.array(micro_steps, "int32"))

@@ -13,6 +13,16 @@ from accum_optimizers._window.noise import saved_noise_key
 from accum_optimizers._window.spec import window_state
 
 
+def pending_restore(optimizer):
+    """The saved values `optimizer` keeps for its `build` (a state saved
+    after training and loaded before the optimizer was built), or `None`.
+
+    Args:
+        optimizer: an accumulating optimizer.
+    """
+    return optimizer.__dict__.get("_accum_pending_restore")
+
+
 class WindowRestore:
     """`load_own_variables` of an accumulating optimizer (a mixin of
     `GradientAccumulation`): a saved state is checked against this

@@ -24,6 +24,7 @@ from accum_optimizers._finite import masked
 from accum_optimizers._validation import concrete_value
 from accum_optimizers._validation import validate_gradient_shape
 from accum_optimizers._validation import validate_loss
+from accum_optimizers._validation import validate_weighable
 from accum_optimizers._validation import validate_weight
 
 
@@ -84,8 +85,9 @@ class WindowStep:
                 checked = handoff.checked()
             if handoff.may_be_invalid:
                 valid = ops.isfinite(ops.cast(weight, "float32"))
+        if weight is not None and self._accumulates:
+            validate_weighable(self.accumulator_dtype)
         if weight is not None:
-            self._accum_check_weighable()
             # Windows count samples from now on: a Python fact, known when
             # a compiled step is traced (see `_accum_samples_in`).
             self._accum_counts_weights = True
@@ -286,17 +288,6 @@ class WindowStep:
         if finite is not None:
             kept = ops.where(finite, kept, total.value)
         total.assign(kept)
-
-    def _accum_check_weighable(self):
-        """Refuses weights when the sums are float16: `weight * grad`
-        overflows float16's range (65504) at token counts."""
-        if self._accumulates and self.accumulator_dtype == "float16":
-            raise ValueError(
-                "Weighted windows (`weight=`, `weigh_micro_batches`) need an "
-                "accumulator with float32's range: a weighted gradient "
-                "overflows float16. Pass accumulator_dtype='bfloat16', "
-                "'float32' or None. Received: accumulator_dtype='float16'"
-            )
 
     def _accum_checked_weight(self, weight):
         """`(weight, context)`: `weight` as a Python float (concrete) or a

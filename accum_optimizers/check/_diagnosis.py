@@ -16,6 +16,7 @@ from accum_optimizers.callbacks import FlushAccumulation
 from accum_optimizers.check._report import Cause
 from accum_optimizers.check._runs import is_random_layer
 from accum_optimizers.layers import AccumBatchNormalization
+from accum_optimizers.weighting import weighs_micro_batches
 
 _DIVIDED_BY_COUNT = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 
@@ -43,7 +44,7 @@ class Setup:
 
     @property
     def weighs(self):
-        return bool(getattr(self.model, "_accum_weighs_micro_batches", False))
+        return weighs_micro_batches(self.model)
 
     def layers(self, kind):
         return [
@@ -211,7 +212,7 @@ def _sparse_embedding(setup):
         for layer in setup.layers(keras.layers.Embedding)
         if layer.trainable
     ]
-    parent = _inner(setup.optimizer)._accum_parent
+    parent = _inner(setup.optimizer).parent_class
     if not layers or not _updates_sparse_rows_apart(parent):
         return None
     return Cause(

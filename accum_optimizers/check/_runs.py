@@ -13,6 +13,7 @@ from accum_optimizers import _args
 from accum_optimizers import _keras_private
 from accum_optimizers.layers import AccumBatchNormalization
 from accum_optimizers.weighting import weigh_micro_batches
+from accum_optimizers.weighting import weighs_micro_batches
 
 
 def is_random_layer(layer):
@@ -136,7 +137,7 @@ def fresh_optimizers(optimizer):
             )
         )
     parent = _ignoring_window_arguments(
-        type(inner)._accum_parent.from_config(parent_config)
+        inner.parent_class.from_config(parent_config)
     )
     if scale is not None:
         accumulating = keras.optimizers.LossScaleOptimizer(
@@ -178,7 +179,7 @@ def compile_like(clone, model, optimizer):
         run_eagerly=model.run_eagerly,
         jit_compile=model.jit_compile,
     )
-    if getattr(model, "_accum_weighs_micro_batches", False):
+    if weighs_micro_batches(model):
         weigh_micro_batches(clone)
 
 
