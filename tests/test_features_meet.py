@@ -21,6 +21,7 @@ from test_fit_to_memory import Injector
 
 from accum_optimizers import AccumulationLogger
 from accum_optimizers import AdamAccumulate
+from accum_optimizers import FlushAccumulation
 from accum_optimizers import SGDAccumulate
 from accum_optimizers import fit_to_memory
 from accum_optimizers.optimizers import OPTIMIZER_CLASSES
@@ -237,7 +238,10 @@ def _weighted_model(optimizer):
     return weigh_micro_batches(model)
 
 
-def test_negative_sample_weights_never_move_the_weights_and_are_named():
+@pytest.mark.parametrize("flush", [False, True])
+def test_negative_sample_weights_never_move_the_weights_and_are_named(flush):
+    # With `FlushAccumulation` too, which takes over the end of `fit`'s
+    # pending-window warning but not the refusal.
     x, y = regression_data(2, 16)
     model = _weighted_model(SGDAccumulate(0.1, accum_iters=2))
     before = model.get_weights()
@@ -249,6 +253,7 @@ def test_negative_sample_weights_never_move_the_weights_and_are_named():
             batch_size=4,
             shuffle=False,
             verbose=0,
+            callbacks=[FlushAccumulation()] if flush else [],
         )
     # Every micro-batch was refused (compiled JAX code leaves each out of
     # its window and `fit` raises at its end): nothing moved.

@@ -140,6 +140,8 @@ class WindowClose:
 
     def finalize_variable_values(self, var_list):
         # `fit` calls this once, at the end of training.
+        if self._accumulates and self.built:
+            self._accum_report_refused_weights()
         if self._accumulates and self.built and not self.flush_at_train_end:
             try:
                 pending = ops.convert_to_numpy(self._accum_micro_steps.value)
@@ -147,7 +149,6 @@ class WindowClose:
                 # A JAX train step that failed leaves the variables without
                 # values; let its own error through.
                 pending = 0
-            self._accum_report_refused_weights()
             if int(pending):
                 warnings.warn(
                     f"Training ended with {pending} micro-batches of a window "
