@@ -1,8 +1,9 @@
-"""What the tests share: models, data, drawn optimizer configurations, the
-comparisons (`to_numpy`, `assert_all_close`, `assert_same_weights`,
-`assert_same_state`, `largest_difference`) and the window-mean oracle
-(`parent_on_window_means`), and the JAX multi-device worker launcher
-(`run_jax_worker`). Use these rather than local copies."""
+"""What the tests share: models, data, variables, drawn optimizer
+configurations, `fit` in the data's order (`fit_in_order`), the comparisons
+(`to_numpy`, `assert_all_close`, `assert_same_weights`, `assert_same_state`,
+`largest_difference`) and the window-mean oracle (`parent_on_window_means`),
+and the JAX multi-device worker launcher (`run_jax_worker`). Use these
+rather than local copies."""
 
 import json
 import os
@@ -15,6 +16,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from accum_optimizers import AdamAccumulate
+from accum_optimizers import FlushAccumulation
 from accum_optimizers import RMSpropAccumulate
 from accum_optimizers import SGDAccumulate
 
@@ -48,6 +50,46 @@ def sample_weights(seed, n):
     """Sample weights, some 0, so that their sum differs from the count."""
     rng = np.random.default_rng(seed)
     return rng.choice([0.0, 0.5, 1.0, 3.0], size=n).astype("float32")
+
+
+def random_variables(seed, shapes):
+    """A `keras.Variable` of standard normal float32 values per shape."""
+    rng = np.random.default_rng(seed)
+    return [
+        keras.Variable(rng.normal(size=s).astype("float32")) for s in shapes
+    ]
+
+
+def fit_in_order(model, x, y, *, flush=False, **kwargs):
+    """`model.fit` on the samples in their order (`shuffle=False`), quietly,
+    as the oracles the tests compare it with see them; with `flush`, a
+    `FlushAccumulation()` callback after the others (`kwargs`' `callbacks`)
+    applies a window left pending at each epoch's end. Returns `model`."""
+    if flush:
+        kwargs["callbacks"] = [
+            *kwargs.get("callbacks", ()),
+            FlushAccumulation(),
+        ]
+    model.fit(x, y, shuffle=False, verbose=0, **kwargs)
+    return model
+
+
+def fit_interrupted(make, x, y, split, batch_size, callbacks=()):
+    """The two runs a resume is judged by: `make()`'s compiled model fitted
+    on all of `x, y` (the uninterrupted run) and another fitted on the
+    first `split` samples, with `callbacks` (the run interrupted there),
+    both at `batch_size` in the data's order. Returns
+    `(uninterrupted, interrupted)`; a resumed run goes on with
+    `x[split:], y[split:]`."""
+    uninterrupted = fit_in_order(make(), x, y, batch_size=batch_size)
+    interrupted = fit_in_order(
+        make(),
+        x[:split],
+        y[:split],
+        batch_size=batch_size,
+        callbacks=list(callbacks),
+    )
+    return uninterrupted, interrupted
 
 
 def sequence_model(seed, vocab=12, length=6, classes=3):

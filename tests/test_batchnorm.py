@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from helpers import assert_all_close
 from helpers import assert_same_weights
+from helpers import fit_in_order
 from helpers import to_numpy
 from hypothesis import given
 from hypothesis import strategies as st
 
 from accum_optimizers import AccumBatchNormalization
 from accum_optimizers import AdamAccumulate
-from accum_optimizers import FlushAccumulation
 from accum_optimizers.layers import with_accum_batch_norm
 
 MOVING = ["moving_mean", "moving_variance"]
@@ -228,10 +228,10 @@ def test_fit_with_accumulation_moves_statistics_like_the_big_batch(mode):
         loss="mse",
         **_fit_modes()[mode],
     )
-    ours.fit(x, y, batch_size=b, epochs=2, shuffle=False, verbose=0)
+    fit_in_order(ours, x, y, batch_size=b, epochs=2)
     parent = _input_bn_model(keras.layers.BatchNormalization(**options))
     parent.compile(optimizer=keras.optimizers.Adam(), loss="mse")
-    parent.fit(x, y, batch_size=k * b, epochs=2, shuffle=False, verbose=0)
+    fit_in_order(parent, x, y, batch_size=k * b, epochs=2)
 
     assert int(ours.optimizer.iterations) == int(parent.optimizer.iterations)
     assert_all_close(
@@ -246,18 +246,10 @@ def test_flush_accumulation_flushes_the_layers_with_the_optimizer():
     y = np.random.default_rng(6).normal(size=(n, 1)).astype("float32")
     ours = _input_bn_model(AccumBatchNormalization(accum_iters=k))
     ours.compile(optimizer=AdamAccumulate(accum_iters=k), loss="mse")
-    ours.fit(
-        x,
-        y,
-        batch_size=b,
-        epochs=2,
-        shuffle=False,
-        verbose=0,
-        callbacks=[FlushAccumulation()],
-    )
+    fit_in_order(ours, x, y, batch_size=b, epochs=2, flush=True)
     parent = _input_bn_model(keras.layers.BatchNormalization())
     parent.compile(optimizer=keras.optimizers.Adam(), loss="mse")
-    parent.fit(x, y, batch_size=k * b, epochs=2, shuffle=False, verbose=0)
+    fit_in_order(parent, x, y, batch_size=k * b, epochs=2)
     assert int(to_numpy(ours.layers[0].window_calls)) == 0
     assert_all_close(
         _values(ours.layers[0]), _values(parent.layers[0]), **STATISTICS
@@ -265,7 +257,7 @@ def test_flush_accumulation_flushes_the_layers_with_the_optimizer():
 
 
 def _fit_accumulating(model, x, y, b):
-    model.fit(x, y, batch_size=b, shuffle=False, verbose=0)
+    fit_in_order(model, x, y, batch_size=b)
 
 
 def test_keras_file_saved_mid_window_resumes_exactly(tmp_path):

@@ -23,6 +23,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from helpers import fit_in_order  # noqa: E402
 from helpers import largest_difference  # noqa: E402
 from helpers import regression_data  # noqa: E402
 from helpers import sample_weights  # noqa: E402
@@ -31,7 +32,6 @@ from helpers import sequence_model  # noqa: E402
 from helpers import small_model  # noqa: E402
 
 from accum_optimizers import AdamAccumulate  # noqa: E402
-from accum_optimizers import FlushAccumulation  # noqa: E402
 from accum_optimizers import weigh_micro_batches  # noqa: E402
 
 K, GLOBAL_MICRO = 3, 8  # accum_iters, global micro-batch (4 per device)
@@ -86,14 +86,7 @@ def run_case(name, devices):
     oracle = make_model(0)
     initial = oracle.get_weights()
     oracle.compile(optimizer=keras.optimizers.Adam(**ADAM), loss=make_loss())
-    oracle.fit(
-        x,
-        y,
-        sample_weight=sample_weight,
-        batch_size=BIG,
-        shuffle=False,
-        verbose=0,
-    )
+    fit_in_order(oracle, x, y, sample_weight=sample_weight, batch_size=BIG)
 
     distribution = keras.distribution.DataParallel(devices=devices)
     with distribution.scope():
@@ -103,14 +96,13 @@ def run_case(name, devices):
             optimizer=AdamAccumulate(accum_iters=K, **ADAM), loss=make_loss()
         )
         weigh_micro_batches(model)
-        model.fit(
+        fit_in_order(
+            model,
             x,
             y,
             sample_weight=sample_weight,
             batch_size=GLOBAL_MICRO,
-            shuffle=False,
-            verbose=0,
-            callbacks=[FlushAccumulation()],
+            flush=True,
         )
         data_layout = distribution.get_data_layout((GLOBAL_MICRO, LENGTH))
     starts = range(0, N, GLOBAL_MICRO)

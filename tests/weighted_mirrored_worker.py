@@ -31,6 +31,7 @@ tf.config.set_logical_device_configuration(
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from helpers import fit_in_order  # noqa: E402
 from helpers import largest_difference  # noqa: E402
 from helpers import regression_data  # noqa: E402
 from helpers import sample_weights  # noqa: E402
@@ -39,7 +40,6 @@ from helpers import sequence_model  # noqa: E402
 from helpers import small_model  # noqa: E402
 
 from accum_optimizers import AdamAccumulate  # noqa: E402
-from accum_optimizers import FlushAccumulation  # noqa: E402
 from accum_optimizers import SGDAccumulate  # noqa: E402
 from accum_optimizers import weigh_micro_batches  # noqa: E402
 
@@ -151,14 +151,7 @@ def fit_case(name):
 
     oracle = case.model()
     oracle.compile(optimizer=parent_cls(**kwargs), loss=case.loss())
-    oracle.fit(
-        x,
-        y,
-        sample_weight=sample_weight,
-        batch_size=BIG,
-        shuffle=False,
-        verbose=0,
-    )
+    fit_in_order(oracle, x, y, sample_weight=sample_weight, batch_size=BIG)
     result = {
         "split": split,
         # Per micro-batch, each replica's normalizer: where they differ,
@@ -178,14 +171,13 @@ def fit_case(name):
                 optimizer=ours_cls(accum_iters=K, **kwargs), loss=case.loss()
             )
         weigh_micro_batches(model)
-        model.fit(
+        fit_in_order(
+            model,
             x,
             y,
             sample_weight=sample_weight,
             batch_size=GLOBAL_MICRO,
-            shuffle=False,
-            verbose=0,
-            callbacks=[FlushAccumulation()],
+            flush=True,
         )
         return {
             "max_difference": largest_difference(
