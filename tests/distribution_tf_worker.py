@@ -2,9 +2,9 @@
 
     KERAS_BACKEND=tensorflow python distribution_tf_worker.py OUT.json
 
-Splits the CPU into 2 logical devices (before TensorFlow starts), runs every
-case below and writes one JSON object of measurements to OUT.json; the test
-judges them. The oracle of every equivalence case is the parent Keras
+Over 2 logical CPU devices (`mirrored_devices`), runs every case below
+and writes one JSON object of measurements to OUT.json; the test judges
+them. The oracle of every equivalence case is the parent Keras
 optimizer on one device (no strategy) with the global batch
 `K * B * REPLICAS`.
 """
@@ -14,30 +14,27 @@ import sys
 from pathlib import Path
 
 import tensorflow as tf
+from mirrored_devices import DEVICES
+from mirrored_devices import REPLICAS
 
-REPLICAS = 2
-_cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    _cpu, [tf.config.LogicalDeviceConfiguration()] * REPLICAS
-)
+# The CPU is split (above) before anything below starts TensorFlow.
+# isort: split
+import keras
+from helpers import PARENTS
+from helpers import fit_in_order
+from helpers import largest_difference
+from helpers import regression_data
+from helpers import small_model
+from helpers import train_with_strategy
 
-import keras  # noqa: E402
-from helpers import PARENTS  # noqa: E402
-from helpers import fit_in_order  # noqa: E402
-from helpers import largest_difference  # noqa: E402
-from helpers import regression_data  # noqa: E402
-from helpers import small_model  # noqa: E402
-from helpers import train_with_strategy  # noqa: E402
-
-from accum_optimizers import AdamAccumulate  # noqa: E402
-from accum_optimizers import RMSpropAccumulate  # noqa: E402
-from accum_optimizers import SGDAccumulate  # noqa: E402
+from accum_optimizers import AdamAccumulate
+from accum_optimizers import RMSpropAccumulate
+from accum_optimizers import SGDAccumulate
 
 K, B = 3, 4  # accum_iters, per-replica micro-batch
 GLOBAL_MICRO = B * REPLICAS
 WINDOWS = 2
 N = K * GLOBAL_MICRO * WINDOWS
-DEVICES = [f"/cpu:{i}" for i in range(REPLICAS)]
 CONFIGS = {
     "adam": (AdamAccumulate, {"learning_rate": 0.01, "amsgrad": True}),
     "sgd": (SGDAccumulate, {"learning_rate": 0.1, "momentum": 0.9}),

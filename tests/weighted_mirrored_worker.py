@@ -2,9 +2,9 @@
 
     KERAS_BACKEND=tensorflow python weighted_mirrored_worker.py OUT.json
 
-Splits the CPU into 2 logical devices (before TensorFlow starts), trains
-under `tf.distribute.MirroredStrategy` with micro-batches that differ (a
-short last micro-batch, sample weights, masked variable-length sequences)
+Trains under `tf.distribute.MirroredStrategy` over 2 logical CPU devices
+(`mirrored_devices`) with micro-batches that differ (a short last
+micro-batch, sample weights, masked variable-length sequences)
 and writes, for every case, the largest difference of the weights from
 their oracle to OUT.json, as JSON; the test judges them.
 
@@ -22,26 +22,23 @@ import sys
 from pathlib import Path
 
 import tensorflow as tf
+from mirrored_devices import DEVICES
 
-REPLICAS = 2
-_cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    _cpu, [tf.config.LogicalDeviceConfiguration()] * REPLICAS
-)
+# The CPU is split (above) before anything below starts TensorFlow.
+# isort: split
+import keras
+import numpy as np
+from helpers import fit_in_order
+from helpers import largest_difference
+from helpers import regression_data
+from helpers import sample_weights
+from helpers import sequence_data
+from helpers import sequence_model
+from helpers import small_model
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-from helpers import fit_in_order  # noqa: E402
-from helpers import largest_difference  # noqa: E402
-from helpers import regression_data  # noqa: E402
-from helpers import sample_weights  # noqa: E402
-from helpers import sequence_data  # noqa: E402
-from helpers import sequence_model  # noqa: E402
-from helpers import small_model  # noqa: E402
-
-from accum_optimizers import AdamAccumulate  # noqa: E402
-from accum_optimizers import SGDAccumulate  # noqa: E402
-from accum_optimizers import weigh_micro_batches  # noqa: E402
+from accum_optimizers import AdamAccumulate
+from accum_optimizers import SGDAccumulate
+from accum_optimizers import weigh_micro_batches
 
 K = 3  # accum_iters
 GLOBAL_MICRO = 8  # global micro-batch; 4 per replica
@@ -52,7 +49,7 @@ N = BIG + GLOBAL_MICRO + 5
 N_EMPTY_REPLICA = BIG + GLOBAL_MICRO + 1
 # One strategy per process: with a second one, fit failed with mismatched
 # collective ops (batchnorm_mirrored_worker.py).
-STRATEGY = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+STRATEGY = tf.distribute.MirroredStrategy(DEVICES)
 
 OPTIMIZERS = {
     "adam": (AdamAccumulate, keras.optimizers.Adam, {"learning_rate": 0.01}),
