@@ -2,8 +2,8 @@
 configurations, `fit` in the data's order (`fit_in_order`), the comparisons
 (`to_numpy`, `assert_all_close`, `assert_same_weights`, `assert_same_state`,
 `largest_difference`) and the window-mean oracle (`parent_on_window_means`),
-and the JAX multi-device worker launcher (`run_jax_worker`). Use these
-rather than local copies."""
+and the worker processes' launchers (`run_worker`, `run_tf_worker`,
+`run_jax_worker`, `start_logged`). Use these rather than local copies."""
 
 import json
 import os
@@ -25,6 +25,7 @@ PARENTS = {
     SGDAccumulate: keras.optimizers.SGD,
     RMSpropAccumulate: keras.optimizers.RMSprop,
 }
+TESTS = Path(__file__).resolve().parent
 
 
 def small_model(seed, in_dim=4, hidden=6, out_dim=2, activation="tanh"):
@@ -340,11 +341,49 @@ def assert_same_state(ours, parent_model, our_model, parent_optimizer):
     )
 
 
+def run_worker(args, env, *, cwd=TESTS, timeout=600):
+    """Runs `python *args` in a fresh process in `cwd` with the environment
+    `env`; asserts that it exited with 0 (showing its stderr's tail if not)
+    and returns the completed process, its output captured as text."""
+    completed = subprocess.run(
+        [sys.executable, *map(str, args)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return completed
+
+
+def start_logged(args, env, log):
+    """Starts `python *args` in `tests/` with the environment `env`, its
+    stdout and stderr to the file `log` (a file, not a pipe: no process can
+    block on a full pipe while the test waits on another); returns it."""
+    with open(log, "w") as log_file:
+        return subprocess.Popen(
+            [sys.executable, *map(str, args)],
+            cwd=TESTS,
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def run_tf_worker(script, out_path, timeout=600):
+    """Runs `tests/<script>` in a fresh TensorFlow process (a worker that
+    splits the CPU into logical devices before TensorFlow starts), passing
+    it `out_path`; returns the JSON it wrote there."""
+    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
+    run_worker([TESTS / script, out_path], env, timeout=timeout)
+    return json.loads(Path(out_path).read_text())
+
+
 def jax_worker_env(device_count):
     """The environment of a JAX worker process: the JAX backend on the CPU
     with `device_count` host devices (XLA fixes the count at start-up) and
     this checkout's package first on the path."""
-    here = Path(__file__).resolve().parent
     xla_flags = os.environ.get("XLA_FLAGS", "")
     return dict(
         os.environ,
@@ -354,7 +393,7 @@ def jax_worker_env(device_count):
         f"{device_count}".strip(),
         TF_CPP_MIN_LOG_LEVEL="3",
         PYTHONPATH=os.pathsep.join(
-            [str(here.parent), os.environ.get("PYTHONPATH", "")]
+            [str(TESTS.parent), os.environ.get("PYTHONPATH", "")]
         ),
     )
 
@@ -371,16 +410,11 @@ def run_jax_worker(script, out_path, device_count, timeout=300):
         device_count: the number of host devices it gets.
         timeout: seconds before the worker is killed.
     """
-    here = Path(__file__).resolve().parent
-    completed = subprocess.run(
-        [sys.executable, str(here / script), str(out_path)],
-        cwd=here,
-        env=jax_worker_env(device_count),
-        capture_output=True,
-        text=True,
+    run_worker(
+        [TESTS / script, out_path],
+        jax_worker_env(device_count),
         timeout=timeout,
     )
-    assert completed.returncode == 0, completed.stderr[-3000:]
     return json.loads(Path(out_path).read_text())
 
 

@@ -5,18 +5,14 @@ once in training on the concatenated window for the moving statistics, on
 the micro-batch for the training output.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import keras
 import numpy as np
 import pytest
 from helpers import assert_all_close
 from helpers import assert_same_weights
 from helpers import fit_in_order
+from helpers import run_jax_worker
+from helpers import run_tf_worker
 from helpers import to_numpy
 from hypothesis import given
 from hypothesis import strategies as st
@@ -423,26 +419,10 @@ def test_swap_helper_keeps_weights_and_predictions():
     )
 
 
-def _run_worker(name, tmp_path, backend):
-    """Runs a worker in a process of its own (it splits the CPU first)."""
-    out = tmp_path / "results.json"
-    here = Path(__file__).resolve().parent
-    result = subprocess.run(
-        [sys.executable, str(here / name), str(out)],
-        cwd=here,
-        env=dict(os.environ, KERAS_BACKEND=backend),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(out.read_text())
-
-
 @pytest.mark.backends("tensorflow")
 def test_mirrored_strategy_synchronized_is_the_global_window(tmp_path):
-    results = _run_worker(
-        "batchnorm_mirrored_worker.py", tmp_path, "tensorflow"
+    results = run_tf_worker(
+        "batchnorm_mirrored_worker.py", tmp_path / "results.json"
     )
     assert results["replicas"] == 2
     # synchronized=True: the one-device big batch, with a short micro-batch
@@ -454,7 +434,12 @@ def test_mirrored_strategy_synchronized_is_the_global_window(tmp_path):
 
 @pytest.mark.backends("jax")
 def test_jax_data_parallel_is_the_global_window(tmp_path):
-    results = _run_worker("batchnorm_dataparallel_worker.py", tmp_path, "jax")
+    results = run_jax_worker(
+        "batchnorm_dataparallel_worker.py",
+        tmp_path / "results.json",
+        2,
+        timeout=600,
+    )
     assert results["devices"] == 2
     assert results["difference"] < 1e-5
 

@@ -10,14 +10,13 @@ import io
 import os
 import random
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import keras
 import numpy as np
 import pytest
 from helpers import regression_data
+from helpers import run_worker
 from helpers import sequence_data
 from helpers import sequence_model
 from helpers import small_model
@@ -506,24 +505,13 @@ def test_command_line_checks_a_saved_model(tmp_path):
             [str(ROOT), os.environ.get("PYTHONPATH", "")]
         ),
     )
-    completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "accum_optimizers.check",
-            *files,
-            "--batch-size",
-            "4",
-            "--updates",
-            "2",
-        ],
+    arguments = ["--batch-size", "4", "--updates", "2"]
+    completed = run_worker(
+        ["-m", "accum_optimizers.check", *files, *arguments],
+        env,
         cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
         timeout=300,
     )
-    assert completed.returncode == 0, completed.stderr[-3000:]
     assert "exact: the drift is within the round-off floor" in (
         completed.stdout
     )

@@ -7,17 +7,11 @@ device, without a strategy, on the global batch
 `accum_iters * per-replica batch * replicas`.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from helpers import run_tf_worker
 
 pytestmark = pytest.mark.backends("tensorflow")
 
-HERE = Path(__file__).resolve().parent
 # Same weights up to float32 round-off of a differently ordered sum.
 TOLERANCE = 1e-6
 WINDOWS = 2
@@ -26,17 +20,7 @@ WINDOWS = 2
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     out = tmp_path_factory.mktemp("mirrored") / "results.json"
-    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
-    result = subprocess.run(
-        [sys.executable, str(HERE / "distribution_tf_worker.py"), str(out)],
-        cwd=HERE,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    results = json.loads(out.read_text())
+    results = run_tf_worker("distribution_tf_worker.py", out)
     assert results["replicas"] == 2
     return results
 

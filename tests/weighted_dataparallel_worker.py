@@ -2,8 +2,8 @@
 
     KERAS_BACKEND=jax python weighted_dataparallel_worker.py OUT.json
 
-Splits the CPU into 2 JAX devices (before JAX starts), fits with
-`weigh_micro_batches` under `keras.distribution.DataParallel`, with
+Fits with `weigh_micro_batches` under `keras.distribution.DataParallel`,
+over the 2 JAX CPU devices `run_jax_worker` gives it, with
 micro-batches that differ (a short last micro-batch, sample weights,
 masked variable-length sequences), and writes, for every case, the largest
 difference of the weights from their oracle to OUT.json, as JSON: the
@@ -14,25 +14,22 @@ that of the global micro-batch.
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax
+import keras
+import numpy as np
+from helpers import fit_in_order
+from helpers import largest_difference
+from helpers import regression_data
+from helpers import sample_weights
+from helpers import sequence_data
+from helpers import sequence_model
+from helpers import small_model
 
-import jax  # noqa: E402
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-from helpers import fit_in_order  # noqa: E402
-from helpers import largest_difference  # noqa: E402
-from helpers import regression_data  # noqa: E402
-from helpers import sample_weights  # noqa: E402
-from helpers import sequence_data  # noqa: E402
-from helpers import sequence_model  # noqa: E402
-from helpers import small_model  # noqa: E402
-
-from accum_optimizers import AdamAccumulate  # noqa: E402
-from accum_optimizers import weigh_micro_batches  # noqa: E402
+from accum_optimizers import AdamAccumulate
+from accum_optimizers import weigh_micro_batches
 
 K, GLOBAL_MICRO = 3, 8  # accum_iters, global micro-batch (4 per device)
 BIG = K * GLOBAL_MICRO
