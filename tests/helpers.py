@@ -19,6 +19,7 @@ from accum_optimizers import AdamAccumulate
 from accum_optimizers import FlushAccumulation
 from accum_optimizers import RMSpropAccumulate
 from accum_optimizers import SGDAccumulate
+from accum_optimizers import weigh_micro_batches
 
 PARENTS = {
     AdamAccumulate: keras.optimizers.Adam,
@@ -61,11 +62,14 @@ def random_variables(seed, shapes):
     ]
 
 
-def fit_in_order(model, x, y, *, flush=False, **kwargs):
+def fit_in_order(model, x, y, *, weigh=False, flush=False, **kwargs):
     """`model.fit` on the samples in their order (`shuffle=False`), quietly,
-    as the oracles the tests compare it with see them; with `flush`, a
+    as the oracles the tests compare it with see them. With `weigh`,
+    `weigh_micro_batches(model)` first; with `flush`, a
     `FlushAccumulation()` callback after the others (`kwargs`' `callbacks`)
     applies a window left pending at each epoch's end. Returns `model`."""
+    if weigh:
+        weigh_micro_batches(model)
     if flush:
         kwargs["callbacks"] = [
             *kwargs.get("callbacks", ()),

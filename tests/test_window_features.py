@@ -259,9 +259,14 @@ def test_fit_skips_weighted_micro_batches_and_flushes_the_rest():
         learning_rate=0.05, accum_iters=3, skip_nonfinite=True
     )
     model.compile(optimizer=ours, loss="mse")
-    weigh_micro_batches(model)
     fit_in_order(
-        model, x, y, sample_weight=weights, batch_size=batch, flush=True
+        model,
+        x,
+        y,
+        sample_weight=weights,
+        batch_size=batch,
+        weigh=True,
+        flush=True,
     )
     reference = _parent_without(bad, x, y, batch, 3, sample_weight=weights)
     assert_same_weights(model, reference)

@@ -29,7 +29,6 @@ from helpers import sequence_model
 from helpers import small_model
 
 from accum_optimizers import AdamAccumulate
-from accum_optimizers import weigh_micro_batches
 
 K, GLOBAL_MICRO = 3, 8  # accum_iters, global micro-batch (4 per device)
 BIG = K * GLOBAL_MICRO
@@ -92,13 +91,13 @@ def run_case(name, devices):
         model.compile(
             optimizer=AdamAccumulate(accum_iters=K, **ADAM), loss=make_loss()
         )
-        weigh_micro_batches(model)
         fit_in_order(
             model,
             x,
             y,
             sample_weight=sample_weight,
             batch_size=GLOBAL_MICRO,
+            weigh=True,
             flush=True,
         )
         data_layout = distribution.get_data_layout((GLOBAL_MICRO, LENGTH))

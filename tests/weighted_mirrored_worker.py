@@ -38,7 +38,6 @@ from helpers import small_model
 
 from accum_optimizers import AdamAccumulate
 from accum_optimizers import SGDAccumulate
-from accum_optimizers import weigh_micro_batches
 
 K = 3  # accum_iters
 GLOBAL_MICRO = 8  # global micro-batch; 4 per replica
@@ -167,13 +166,13 @@ def fit_case(name):
             model.compile(
                 optimizer=ours_cls(accum_iters=K, **kwargs), loss=case.loss()
             )
-        weigh_micro_batches(model)
         fit_in_order(
             model,
             x,
             y,
             sample_weight=sample_weight,
             batch_size=GLOBAL_MICRO,
+            weigh=True,
             flush=True,
         )
         return {
