@@ -2,7 +2,7 @@
 configurations, `fit` in the data's order (`fit_in_order`), the comparisons
 (`to_numpy`, `assert_all_close`, `assert_same_weights`, `assert_same_state`,
 `largest_difference`) and the window-mean oracle (`parent_on_window_means`),
-and the worker processes' launchers (`run_worker`, `run_tf_worker`,
+and the worker processes' launchers (`run_worker`, `run_mirrored_worker`,
 `run_jax_worker`, `start_logged`). Use these rather than local copies."""
 
 import json
@@ -375,13 +375,16 @@ def start_logged(args, env, log):
         )
 
 
-def run_tf_worker(script, out_path, timeout=600):
-    """Runs `tests/<script>` in a fresh TensorFlow process (a worker that
-    splits the CPU into logical devices before TensorFlow starts), passing
-    it `out_path`; returns the JSON it wrote there."""
+def run_mirrored_worker(script, out_path, timeout=600):
+    """Runs `tests/<script>`, a `MirroredStrategy` worker over the 2 logical
+    CPU devices of `mirrored_devices` (split before TensorFlow starts), in
+    a fresh TensorFlow process, passing it `out_path`; checks that it ran
+    over 2 replicas and returns the JSON it wrote there."""
     env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
     run_worker([TESTS / script, out_path], env, timeout=timeout)
-    return json.loads(Path(out_path).read_text())
+    results = json.loads(Path(out_path).read_text())
+    assert results["replicas"] == 2, results["replicas"]
+    return results
 
 
 def jax_worker_env(device_count):

@@ -14,7 +14,7 @@ remaining micro-batches.
 
 import pytest
 from helpers import run_jax_worker
-from helpers import run_tf_worker
+from helpers import run_mirrored_worker
 
 # Same weights up to float32 round-off of a differently ordered sum.
 TOLERANCE = 1e-6
@@ -23,9 +23,7 @@ TOLERANCE = 1e-6
 @pytest.fixture(scope="module")
 def mirrored(tmp_path_factory):
     out = tmp_path_factory.mktemp("skip_mirrored") / "results.json"
-    results = run_tf_worker("skip_mirrored_worker.py", out)
-    assert results["replicas"] == 2
-    return results
+    return run_mirrored_worker("skip_mirrored_worker.py", out)
 
 
 def _assert_skipped_everywhere(result):

@@ -20,7 +20,7 @@ process of its own, once, and these tests judge what it measured.
 
 import pytest
 from helpers import run_jax_worker
-from helpers import run_tf_worker
+from helpers import run_mirrored_worker
 
 # Same weights up to float32 round-off of a differently ordered sum.
 TOLERANCE = 1e-6
@@ -48,12 +48,10 @@ def _assert_equals_big_batch(result):
 
 @pytest.fixture(scope="module")
 def mirrored(tmp_path_factory):
-    results = run_tf_worker(
+    return run_mirrored_worker(
         "weighted_mirrored_worker.py",
         tmp_path_factory.mktemp("weighted_mirrored") / "results.json",
     )
-    assert results["replicas"] == 2
-    return results
 
 
 FIT_CASE_NAMES = [
