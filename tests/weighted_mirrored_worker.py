@@ -28,6 +28,7 @@ from mirrored_devices import DEVICES
 # isort: split
 import keras
 import numpy as np
+from helpers import PARENTS
 from helpers import fit_in_order
 from helpers import largest_difference
 from helpers import regression_data
@@ -51,15 +52,11 @@ N_EMPTY_REPLICA = BIG + GLOBAL_MICRO + 1
 STRATEGY = tf.distribute.MirroredStrategy(DEVICES)
 
 OPTIMIZERS = {
-    "adam": (AdamAccumulate, keras.optimizers.Adam, {"learning_rate": 0.01}),
+    "adam": (AdamAccumulate, {"learning_rate": 0.01}),
     # Keras' TensorFlow Adam updates an embedding's `IndexedSlices`
     # gradient with repeated indices unlike its dense sum (the window's
     # mean), so the parent's big batch is no oracle for Adam there.
-    "sgd_momentum": (
-        SGDAccumulate,
-        keras.optimizers.SGD,
-        {"learning_rate": 0.1, "momentum": 0.9},
-    ),
+    "sgd_momentum": (SGDAccumulate, {"learning_rate": 0.1, "momentum": 0.9}),
 }
 
 
@@ -142,7 +139,8 @@ def fit_case(name):
     case = FIT_CASES[name]
     x, y, sample_weight = case.data()
     split = split_of_global_batches(case.samples)
-    ours_cls, parent_cls, kwargs = OPTIMIZERS[case.optimizer()]
+    ours_cls, kwargs = OPTIMIZERS[case.optimizer()]
+    parent_cls = PARENTS[ours_cls]
     initial = case.model().get_weights()
 
     oracle = case.model()
@@ -213,7 +211,8 @@ def custom_loop_case(kind):
             )
             return values, tf.cast(tf.not_equal(xb, 0), values.dtype)
 
-    ours_cls, parent_cls, kwargs = OPTIMIZERS[optimizer]
+    ours_cls, kwargs = OPTIMIZERS[optimizer]
+    parent_cls = PARENTS[ours_cls]
     initial = make_model(0).get_weights()
 
     # The oracle: the parent on the mean loss over each window's samples
