@@ -49,16 +49,22 @@ def _causes(report):
     return [cause.name for cause in report.causes]
 
 
-def _bn_model(seed):
+def _model(seed, *middle):
+    """Dense(6), the layers the functions `middle` make, Dense(2), all made
+    after `keras.utils.set_random_seed(seed)`."""
     keras.utils.set_random_seed(seed)
     return keras.Sequential(
         [
             keras.Input((4,)),
             keras.layers.Dense(6),
-            keras.layers.BatchNormalization(),
+            *(make() for make in middle),
             keras.layers.Dense(2),
         ]
     )
+
+
+def _bn_model(seed):
+    return _model(seed, keras.layers.BatchNormalization)
 
 
 def test_clean_model_drift_stays_within_the_floor_over_20_updates():
@@ -145,15 +151,10 @@ def test_moving_statistics_are_the_big_batchs_with_accum_batch_norm(
 
 def test_random_layers_are_named_and_compared_in_inference_mode():
     x, y = regression_data(3, 16)
-    keras.utils.set_random_seed(3)
-    model = keras.Sequential(
-        [
-            keras.Input((4,)),
-            keras.layers.Dense(6),
-            keras.layers.Dropout(0.5),
-            keras.layers.GaussianNoise(0.3),
-            keras.layers.Dense(2),
-        ]
+    model = _model(
+        3,
+        lambda: keras.layers.Dropout(0.5),
+        lambda: keras.layers.GaussianNoise(0.3),
     )
     _compiled(model, AdamAccumulate(accum_iters=2))
     report = check_exactness(model, x, y, batch_size=4, updates=2, verbose=0)
@@ -359,15 +360,8 @@ def test_train_step_without_loss_is_named():
 @pytest.mark.filterwarnings("ignore:Training ended with 1 micro-batches")
 def test_model_optimizer_and_random_state_are_left_as_they_were():
     x, y = regression_data(13, 40)
-    keras.utils.set_random_seed(13)
-    model = keras.Sequential(
-        [
-            keras.Input((4,)),
-            keras.layers.Dense(6),
-            keras.layers.Dropout(0.2),
-            keras.layers.BatchNormalization(),
-            keras.layers.Dense(2),
-        ]
+    model = _model(
+        13, lambda: keras.layers.Dropout(0.2), keras.layers.BatchNormalization
     )
     _compiled(model, AdamAccumulate(accum_iters=2))
     model.fit(x[:12], y[:12], batch_size=4, shuffle=False, verbose=0)
