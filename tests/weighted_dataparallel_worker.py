@@ -19,14 +19,8 @@ from pathlib import Path
 
 import jax
 import keras
-import numpy as np
-from helpers import fit_in_order
 from helpers import largest_difference
-from helpers import regression_data
-from helpers import sample_weights
-from helpers import sequence_data
-from helpers import sequence_model
-from helpers import small_model
+from weighted_case import FitCase
 
 from accum_optimizers import AdamAccumulate
 
@@ -38,75 +32,43 @@ N = BIG + GLOBAL_MICRO + 6
 ADAM = {"learning_rate": 0.01}
 LENGTH = 6  # of the sequences (`helpers.sequence_data`)
 
-# name: (model, loss, uses sample weights)
 CASES = {
-    "sample_weight_sum_over_batch_size": (
-        small_model,
-        lambda: keras.losses.MeanSquaredError(),
-        True,
+    "sample_weight_sum_over_batch_size": FitCase(
+        "dense", "sum_over_batch_size", N
     ),
-    "sample_weight_mean_with_sample_weight": (
-        small_model,
-        lambda: keras.losses.MeanSquaredError(
-            reduction="mean_with_sample_weight"
-        ),
-        True,
+    "sample_weight_mean_with_sample_weight": FitCase(
+        "dense", "mean_with_sample_weight", N
     ),
     # JAX differentiates an embedding densely: Adam's big batch is an
     # oracle here.
-    "masked_sequences": (
-        sequence_model,
-        lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        False,
-    ),
+    "masked_sequences": FitCase("sequences", "sum_over_batch_size", N),
 }
 
 
-def normalizer(name, x, sample_weight, samples):
-    """What Keras divides the loss of `samples` by."""
-    if name == "masked_sequences":
-        return int(np.count_nonzero(x[samples]))
-    if name == "sample_weight_mean_with_sample_weight":
-        return float(sample_weight[samples].sum())
-    return len(x[samples])
-
-
 def run_case(name, devices):
-    make_model, make_loss, weighted = CASES[name]
-    if weighted:
-        x, y = regression_data(0, N)
-        sample_weight = sample_weights(0, N)
-    else:
-        (x, y), sample_weight = sequence_data(1, N), None
+    case = CASES[name]
+    x, _, sample_weight = case.data()
 
-    oracle = make_model(0)
+    oracle = case.model()
     initial = oracle.get_weights()
-    oracle.compile(optimizer=keras.optimizers.Adam(**ADAM), loss=make_loss())
-    fit_in_order(oracle, x, y, sample_weight=sample_weight, batch_size=BIG)
+    oracle.compile(optimizer=keras.optimizers.Adam(**ADAM), loss=case.loss())
+    case.fit(oracle, BIG)
 
     distribution = keras.distribution.DataParallel(devices=devices)
     with distribution.scope():
-        model = make_model(0)
+        model = case.model()
         model.set_weights(initial)
         model.compile(
-            optimizer=AdamAccumulate(accum_iters=K, **ADAM), loss=make_loss()
+            optimizer=AdamAccumulate(accum_iters=K, **ADAM), loss=case.loss()
         )
-        fit_in_order(
-            model,
-            x,
-            y,
-            sample_weight=sample_weight,
-            batch_size=GLOBAL_MICRO,
-            weigh=True,
-            flush=True,
-        )
+        case.fit(model, GLOBAL_MICRO, weighed=True)
         data_layout = distribution.get_data_layout((GLOBAL_MICRO, LENGTH))
     starts = range(0, N, GLOBAL_MICRO)
     return {
         # Per micro-batch, its normalizer: where they differ in a window,
         # an unweighed window is not the big batch.
         "normalizers": [
-            normalizer(name, x, sample_weight, slice(i, i + GLOBAL_MICRO))
+            case.normalizer(x, sample_weight, slice(i, i + GLOBAL_MICRO))
             for i in starts
         ],
         "data_layout_axes": list(data_layout.axes),

@@ -29,13 +29,12 @@ from mirrored_devices import DEVICES
 import keras
 import numpy as np
 from helpers import PARENTS
-from helpers import fit_in_order
 from helpers import largest_difference
 from helpers import regression_data
-from helpers import sample_weights
 from helpers import sequence_data
 from helpers import sequence_model
 from helpers import small_model
+from weighted_case import FitCase
 
 from accum_optimizers import AdamAccumulate
 from accum_optimizers import SGDAccumulate
@@ -58,45 +57,6 @@ OPTIMIZERS = {
     # mean), so the parent's big batch is no oracle for Adam there.
     "sgd_momentum": (SGDAccumulate, {"learning_rate": 0.1, "momentum": 0.9}),
 }
-
-
-class FitCase:
-    """A model fitted with `weigh_micro_batches` under the strategy."""
-
-    def __init__(self, kind, reduction, samples):
-        self.kind = kind  # "dense" (sample weights) or "sequences" (masks)
-        self.reduction = reduction
-        self.samples = samples
-
-    def data(self):
-        """`x, y, sample_weight`."""
-        if self.kind == "dense":
-            x, y = regression_data(0, self.samples)
-            return x, y, sample_weights(0, self.samples)
-        return (*sequence_data(1, self.samples), None)
-
-    def model(self):
-        if self.kind == "dense":
-            return small_model(0)
-        return sequence_model(0)
-
-    def loss(self):
-        if self.kind == "dense":
-            return keras.losses.MeanSquaredError(reduction=self.reduction)
-        return keras.losses.SparseCategoricalCrossentropy(
-            from_logits=True, reduction=self.reduction
-        )
-
-    def optimizer(self):
-        return "adam" if self.kind == "dense" else "sgd_momentum"
-
-    def normalizer(self, x, sample_weight, indices):
-        """What Keras divides the loss of the samples `indices` by."""
-        if self.kind == "sequences":
-            return int(np.count_nonzero(x[indices]))
-        if self.reduction == "mean_with_sample_weight":
-            return float(sample_weight[indices].sum())
-        return len(indices)
 
 
 FIT_CASES = {
@@ -137,15 +97,17 @@ def recorded(measure):
 
 def fit_case(name):
     case = FIT_CASES[name]
-    x, y, sample_weight = case.data()
+    x, _, sample_weight = case.data()
     split = split_of_global_batches(case.samples)
-    ours_cls, kwargs = OPTIMIZERS[case.optimizer()]
+    ours_cls, kwargs = OPTIMIZERS[
+        "adam" if case.kind == "dense" else "sgd_momentum"
+    ]
     parent_cls = PARENTS[ours_cls]
     initial = case.model().get_weights()
 
     oracle = case.model()
     oracle.compile(optimizer=parent_cls(**kwargs), loss=case.loss())
-    fit_in_order(oracle, x, y, sample_weight=sample_weight, batch_size=BIG)
+    case.fit(oracle, BIG)
     result = {
         "split": split,
         # Per micro-batch, each replica's normalizer: where they differ,
@@ -164,15 +126,7 @@ def fit_case(name):
             model.compile(
                 optimizer=ours_cls(accum_iters=K, **kwargs), loss=case.loss()
             )
-        fit_in_order(
-            model,
-            x,
-            y,
-            sample_weight=sample_weight,
-            batch_size=GLOBAL_MICRO,
-            weigh=True,
-            flush=True,
-        )
+        case.fit(model, GLOBAL_MICRO, weighed=True)
         return {
             "max_difference": largest_difference(
                 model.get_weights(), oracle.get_weights()
