@@ -2,25 +2,22 @@
 
     KERAS_BACKEND=jax python batchnorm_dataparallel_worker.py OUT.json
 
-Splits the CPU into 2 JAX devices (before JAX starts), fits an
-input-normalizing model under `keras.distribution.DataParallel` and writes
+Fits an input-normalizing model under `keras.distribution.DataParallel`
+over the 2 JAX CPU devices `run_jax_worker` gives it and writes
 the largest difference of its moving statistics from a one-device
 `BatchNormalization` on the global big batch to OUT.json, as JSON.
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax
+import keras
+import numpy as np
 
-import jax  # noqa: E402
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-
-from accum_optimizers import AccumBatchNormalization  # noqa: E402
-from accum_optimizers import AdamAccumulate  # noqa: E402
+from accum_optimizers import AccumBatchNormalization
+from accum_optimizers import AdamAccumulate
 
 K, B = 3, 8  # accum_iters, global micro-batch
 MOMENTUM = 0.7

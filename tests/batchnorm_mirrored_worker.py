@@ -2,9 +2,9 @@
 
     KERAS_BACKEND=tensorflow python batchnorm_mirrored_worker.py OUT.json
 
-Splits the CPU into 2 logical devices (before TensorFlow starts), fits
-input-normalizing models under `tf.distribute.MirroredStrategy` and writes
-the largest differences from their oracles to OUT.json, as JSON.
+Fits input-normalizing models under `tf.distribute.MirroredStrategy` over 2
+logical CPU devices (`mirrored_devices`) and writes the largest differences
+from their oracles to OUT.json, as JSON.
 """
 
 import json
@@ -12,25 +12,23 @@ import sys
 from pathlib import Path
 
 import tensorflow as tf
+from mirrored_devices import DEVICES
+from mirrored_devices import REPLICAS
 
-REPLICAS = 2
-_cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    _cpu, [tf.config.LogicalDeviceConfiguration()] * REPLICAS
-)
+# The CPU is split (above) before anything below starts TensorFlow.
+# isort: split
+import keras
+import numpy as np
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-
-from accum_optimizers import AccumBatchNormalization  # noqa: E402
-from accum_optimizers import AdamAccumulate  # noqa: E402
+from accum_optimizers import AccumBatchNormalization
+from accum_optimizers import AdamAccumulate
 
 K, B = 3, 4  # accum_iters, per-replica micro-batch
 GLOBAL_MICRO = B * REPLICAS
 MOMENTUM = 0.7
 # One strategy per process: with a second one, fit here failed with
 # mismatched collective ops.
-STRATEGY = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+STRATEGY = tf.distribute.MirroredStrategy(DEVICES)
 
 
 def _data(n):

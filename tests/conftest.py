@@ -5,32 +5,19 @@ import pytest
 from hypothesis import HealthCheck
 from hypothesis import settings
 
-# CI: few, deterministic examples. Locally: HYPOTHESIS_PROFILE=thorough.
-settings.register_profile(
-    "ci",
-    max_examples=12,
-    derandomize=True,
+# What every profile shares: no deadline, the failing example's blob
+# printed, slow examples allowed.
+PROFILE = dict(
     deadline=None,
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
+# CI: few, deterministic examples. Locally: HYPOTHESIS_PROFILE=thorough.
+settings.register_profile("ci", max_examples=12, derandomize=True, **PROFILE)
 # The compatibility legs (scripts/run_compat.py): the suite's core on other
 # Keras versions, in a few minutes each.
-settings.register_profile(
-    "compat",
-    max_examples=4,
-    derandomize=True,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-settings.register_profile(
-    "thorough",
-    max_examples=200,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+settings.register_profile("compat", max_examples=4, derandomize=True, **PROFILE)
+settings.register_profile("thorough", max_examples=200, **PROFILE)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 

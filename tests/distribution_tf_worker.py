@@ -2,9 +2,9 @@
 
     KERAS_BACKEND=tensorflow python distribution_tf_worker.py OUT.json
 
-Splits the CPU into 2 logical devices (before TensorFlow starts), runs every
-case below and writes one JSON object of measurements to OUT.json; the test
-judges them. The oracle of every equivalence case is the parent Keras
+Over 2 logical CPU devices (`mirrored_devices`), runs every case below
+and writes one JSON object of measurements to OUT.json; the test judges
+them. The oracle of every equivalence case is the parent Keras
 optimizer on one device (no strategy) with the global batch
 `K * B * REPLICAS`.
 """
@@ -14,30 +14,27 @@ import sys
 from pathlib import Path
 
 import tensorflow as tf
+from mirrored_devices import DEVICES
+from mirrored_devices import REPLICAS
 
-REPLICAS = 2
-_cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    _cpu, [tf.config.LogicalDeviceConfiguration()] * REPLICAS
-)
+# The CPU is split (above) before anything below starts TensorFlow.
+# isort: split
+import keras
+from helpers import PARENTS
+from helpers import fit_in_order
+from helpers import largest_difference
+from helpers import regression_data
+from helpers import small_model
+from helpers import train_with_strategy
 
-import keras  # noqa: E402
-from helpers import PARENTS  # noqa: E402
-from helpers import largest_difference  # noqa: E402
-from helpers import regression_data  # noqa: E402
-from helpers import small_model  # noqa: E402
-from helpers import train_with_strategy  # noqa: E402
-
-from accum_optimizers import AdamAccumulate  # noqa: E402
-from accum_optimizers import FlushAccumulation  # noqa: E402
-from accum_optimizers import RMSpropAccumulate  # noqa: E402
-from accum_optimizers import SGDAccumulate  # noqa: E402
+from accum_optimizers import AdamAccumulate
+from accum_optimizers import RMSpropAccumulate
+from accum_optimizers import SGDAccumulate
 
 K, B = 3, 4  # accum_iters, per-replica micro-batch
 GLOBAL_MICRO = B * REPLICAS
 WINDOWS = 2
 N = K * GLOBAL_MICRO * WINDOWS
-DEVICES = [f"/cpu:{i}" for i in range(REPLICAS)]
 CONFIGS = {
     "adam": (AdamAccumulate, {"learning_rate": 0.01, "amsgrad": True}),
     "sgd": (SGDAccumulate, {"learning_rate": 0.1, "momentum": 0.9}),
@@ -77,7 +74,7 @@ def parent_weights(name, x, y):
         cls, kwargs = CONFIGS[name]
         model = small_model(0)
         model.compile(optimizer=PARENTS[cls](**kwargs), loss="mse")
-        model.fit(x, y, batch_size=K * GLOBAL_MICRO, shuffle=False, verbose=0)
+        fit_in_order(model, x, y, batch_size=K * GLOBAL_MICRO)
         _ORACLES[name] = (x, model.get_weights())
     data, weights = _ORACLES[name]
     assert data is x
@@ -129,7 +126,7 @@ class CountAllReduces:
 def fit_cases(results, strategy, x, y):
     for name in CONFIGS:
         model = mirrored_model(strategy, name)
-        model.fit(x, y, batch_size=GLOBAL_MICRO, shuffle=False, verbose=0)
+        fit_in_order(model, x, y, batch_size=GLOBAL_MICRO)
         results[f"fit/{name}"] = {
             "max_difference": largest_difference(
                 model.get_weights(), parent_weights(name, x, y)
@@ -138,9 +135,7 @@ def fit_cases(results, strategy, x, y):
         }
         if name == CLIPPED:
             parent = mirrored_model(strategy, name, accum_iters=0)
-            parent.fit(
-                x, y, batch_size=K * GLOBAL_MICRO, shuffle=False, verbose=0
-            )
+            fit_in_order(parent, x, y, batch_size=K * GLOBAL_MICRO)
             results[f"fit/{name}"]["max_difference_to_mirrored_parent"] = (
                 largest_difference(model.get_weights(), parent.get_weights())
             )
@@ -160,13 +155,7 @@ def jit_cases(results, x, y):
                 strategy, "adam", jit_compile=True, accum_iters=accum_iters
             )
             try:
-                model.fit(
-                    x,
-                    y,
-                    batch_size=batch or B * len(devices),
-                    shuffle=False,
-                    verbose=0,
-                )
+                fit_in_order(model, x, y, batch_size=batch or B * len(devices))
             except Exception as error:  # noqa: BLE001 - recorded, judged
                 outcome[label] = type(error).__name__
                 continue
@@ -183,7 +172,7 @@ def _parent_on(x, y, batch):
     cls, kwargs = CONFIGS["adam"]
     model = small_model(0)
     model.compile(optimizer=PARENTS[cls](**kwargs), loss="mse")
-    model.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
+    fit_in_order(model, x, y, batch_size=batch)
     return model.get_weights()
 
 
@@ -213,7 +202,7 @@ def reduction_cases(results, strategy, x, y):
     for label, accum_iters in (("parent", 0), ("ours", K)):
         model = mirrored_model(strategy, "sgd", accum_iters=accum_iters)
         with CountAllReduces() as all_reduces:
-            model.fit(x, y, batch_size=GLOBAL_MICRO, shuffle=False, verbose=0)
+            fit_in_order(model, x, y, batch_size=GLOBAL_MICRO)
         counts[label] = all_reduces.count
     counts["micro_steps"] = N // GLOBAL_MICRO
     results["reductions"] = counts
@@ -225,7 +214,7 @@ def reduction_cases(results, strategy, x, y):
             loss="mse",
         )
     try:
-        model.fit(x, y, batch_size=GLOBAL_MICRO, shuffle=False, verbose=0)
+        fit_in_order(model, x, y, batch_size=GLOBAL_MICRO)
         results["keras_builtin"] = "ok"
     except Exception as error:  # noqa: BLE001 - recorded, judged
         results["keras_builtin"] = type(error).__name__
@@ -251,7 +240,7 @@ def ema_overwrite_case(results, strategy, x, y):
                 loss="mse",
             )
         try:
-            model.fit(x, y, batch_size=GLOBAL_MICRO, shuffle=False, verbose=0)
+            fit_in_order(model, x, y, batch_size=GLOBAL_MICRO)
             outcome[label] = "ok"
         except Exception as error:  # noqa: BLE001 - recorded, judged
             outcome[label] = type(error).__name__
@@ -262,34 +251,16 @@ def resume_case(results, strategy, directory, x, y):
     """Saves a `.keras` file mid-window under the strategy and resumes."""
     split = 2 * GLOBAL_MICRO + K * GLOBAL_MICRO  # one window + 2 pending
     model = mirrored_model(strategy, "adam")
-    model.fit(
-        x[:split],
-        y[:split],
-        batch_size=GLOBAL_MICRO,
-        shuffle=False,
-        verbose=0,
-    )
+    fit_in_order(model, x[:split], y[:split], batch_size=GLOBAL_MICRO)
     micro_steps_saved = int(model.optimizer.micro_steps.numpy())
     path = Path(directory) / "mid_window.keras"
     model.save(path)
     with strategy.scope():
         restored = keras.saving.load_model(path)
-    restored.fit(
-        x[split:],
-        y[split:],
-        batch_size=GLOBAL_MICRO,
-        shuffle=False,
-        verbose=0,
-    )
+    fit_in_order(restored, x[split:], y[split:], batch_size=GLOBAL_MICRO)
     # The same file on one device: the pending window carries over.
     single = keras.saving.load_model(path)
-    single.fit(
-        x[split:],
-        y[split:],
-        batch_size=GLOBAL_MICRO,
-        shuffle=False,
-        verbose=0,
-    )
+    fit_in_order(single, x[split:], y[split:], batch_size=GLOBAL_MICRO)
     expected = parent_weights("adam", x, y)
     results["resume/adam"] = {
         "micro_steps_saved": micro_steps_saved,
@@ -304,14 +275,7 @@ def flush_case(results, strategy, x, y):
     """A partial last window, flushed at the end of the epoch."""
     cut = N - GLOBAL_MICRO  # the last window has K - 1 micro-batches
     model = mirrored_model(strategy, "sgd")
-    model.fit(
-        x[:cut],
-        y[:cut],
-        batch_size=GLOBAL_MICRO,
-        shuffle=False,
-        verbose=0,
-        callbacks=[FlushAccumulation()],
-    )
+    fit_in_order(model, x[:cut], y[:cut], batch_size=GLOBAL_MICRO, flush=True)
     cls, kwargs = CONFIGS["sgd"]
     oracle = small_model(0)
     oracle.compile(optimizer=PARENTS[cls](**kwargs), loss="mse")
@@ -339,7 +303,7 @@ def schedule_case(results, strategy, x, y):
             ),
             loss="mse",
         )
-    model.fit(x, y, batch_size=GLOBAL_MICRO, shuffle=False, verbose=0)
+    fit_in_order(model, x, y, batch_size=GLOBAL_MICRO)
     parent = small_model(0)
     parent.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     parent.train_on_batch(x[:GLOBAL_MICRO], y[:GLOBAL_MICRO])

@@ -91,6 +91,33 @@ def counting_all_reduces(state):
         dist.all_reduce = original
 
 
+def rows(x, y, start, rank):
+    """Rank `rank`'s `B` rows of the global micro-batch from `start`, as
+    torch tensors."""
+    lo = start + rank * B
+    return torch.from_numpy(x[lo : lo + B]), torch.from_numpy(y[lo : lo + B])
+
+
+def mse(model, xb, yb):
+    return torch.mean(torch.square(model(xb) - yb))
+
+
+def apply_grads(model, optimizer, **kwargs):
+    """Hands the `.grad` of every Keras variable's torch `Parameter` to
+    `optimizer.apply` (with `kwargs`), under `torch.no_grad()` as Keras'
+    own torch trainer does, then zeroes them."""
+    variables = model.trainable_variables
+    grads = [v.value.grad for v in variables]
+    with torch.no_grad():
+        optimizer.apply(grads, variables, **kwargs)
+    model.zero_grad()
+
+
+def weights(prefix, model):
+    """`model`'s weights, keyed `{prefix}_w{i}`."""
+    return {f"{prefix}_w{i}": w for i, w in enumerate(model.get_weights())}
+
+
 def train(case, rank, x, y, way="every_step"):
     """Trains one case, one `way` (keys suffixed `_{way}`, none for
     `every_step`): `every_step`, plain DDP; `windows`, micro-steps under
@@ -134,7 +161,7 @@ def train(case, rank, x, y, way="every_step"):
                         optimizer.apply(grads, variables)
             ddp.zero_grad()
     case = case if way == "every_step" else f"{case}_{way}"
-    results = {f"{case}_w{i}": w for i, w in enumerate(model.get_weights())}
+    results = weights(case, model)
     results[f"{case}_iterations"] = int(
         keras.ops.convert_to_numpy(optimizer.iterations)
     )
@@ -161,35 +188,24 @@ def flush_partial_windows(rank, x, y, overlap=False):
         SGDAccumulate(learning_rate=0.1, accum_iters=K),
         model=model if overlap else None,
     )
-    variables = model.trainable_variables
     results = {}
     prefix = "overlap_" if overlap else ""
     for name, steps, poisoned in (("flush", 2, False), ("flush_nan", 1, True)):
         name = prefix + name
         for step in range(steps):
-            lo = step * GLOBAL_MICRO + rank * B
-            xb = torch.from_numpy(x[lo : lo + B])
-            yb = torch.from_numpy(y[lo : lo + B])
-            loss = torch.mean(torch.square(model(xb) - yb))
+            loss = mse(model, *rows(x, y, step * GLOBAL_MICRO, rank))
             if poisoned and rank == 1:
                 loss = loss * float("nan")
             loss.backward()
-            grads = [v.value.grad for v in variables]
-            with torch.no_grad():
-                optimizer.apply(grads, variables)
-            model.zero_grad()
+            apply_grads(model, optimizer)
         if overlap and not poisoned:
             # A backward that would close the window, whose exchange starts,
             # then `flush` instead of its `apply`: the exchange is dropped
             # and the 2 micro-steps are applied.
-            lo = 2 * GLOBAL_MICRO + rank * B
-            xb = torch.from_numpy(x[lo : lo + B])
-            yb = torch.from_numpy(y[lo : lo + B])
-            torch.mean(torch.square(model(xb) - yb)).backward()
+            mse(model, *rows(x, y, 2 * GLOBAL_MICRO, rank)).backward()
             model.zero_grad()
         optimizer.flush()
-        for i, w in enumerate(model.get_weights()):
-            results[f"{name}_w{i}"] = w
+        results.update(weights(name, model))
         results[f"{name}_iterations"] = int(
             keras.ops.convert_to_numpy(optimizer.iterations)
         )
@@ -212,20 +228,13 @@ def skip_on_every_rank(rank, x, y, skipped=None, overlap=False):
     )
     skipped = OVERLAP_SKIPPED if overlap else SKIPPED
     prefix = "overlap_skip" if overlap else "skip"
-    variables = model.trainable_variables
     for step in range(K + 1):
-        lo = step * GLOBAL_MICRO + rank * B
-        xb = torch.from_numpy(x[lo : lo + B])
-        yb = torch.from_numpy(y[lo : lo + B])
-        loss = torch.mean(torch.square(model(xb) - yb))
+        loss = mse(model, *rows(x, y, step * GLOBAL_MICRO, rank))
         if step == skipped and rank == 1:
             loss = loss * float("nan")
         loss.backward()
-        grads = [v.value.grad for v in variables]
-        with torch.no_grad():
-            optimizer.apply(grads, variables)
-        model.zero_grad()
-    results = {f"{prefix}_w{i}": w for i, w in enumerate(model.get_weights())}
+        apply_grads(model, optimizer)
+    results = weights(prefix, model)
     for name in ("iterations", "skipped_micro_batches", "micro_steps"):
         results[f"{prefix}_{name}"] = int(
             keras.ops.convert_to_numpy(getattr(optimizer, name))
@@ -278,9 +287,7 @@ def overlap_refusals(rank, x, y):
                 grads = [v.value.grad for v in variables]
             optimizer.apply(grads, variables)
         model.zero_grad()
-    results.update(
-        {f"refused_w{i}": w for i, w in enumerate(model.get_weights())}
-    )
+    results.update(weights("refused", model))
     results["refused_iterations"] = int(optimizer.iterations)
     return results
 
@@ -301,21 +308,15 @@ def weighted_overlap(rank, x, y):
     optimizer = sync_windows(
         optimizer_class(accum_iters=K, **kwargs), model=model
     )
-    variables = model.trainable_variables
     share, offset = SHARES[rank], sum(SHARES[:rank])
     for start in range(0, N, GLOBAL_MICRO):
         lo = start + offset
         xb = torch.from_numpy(x[lo : lo + share])
         yb = torch.from_numpy(y[lo : lo + share])
         weigh_next_backward(optimizer, share)
-        torch.mean(torch.square(model(xb) - yb)).backward()
-        grads = [v.value.grad for v in variables]
-        with torch.no_grad():
-            optimizer.apply(grads, variables, weight=share)
-        model.zero_grad()
-    results = {
-        f"weighted_overlap_w{i}": w for i, w in enumerate(model.get_weights())
-    }
+        mse(model, xb, yb).backward()
+        apply_grads(model, optimizer, weight=share)
+    results = weights("weighted_overlap", model)
     results["weighted_overlap_iterations"] = int(optimizer.iterations)
     return results
 
@@ -334,22 +335,18 @@ def missing_gradients(rank, x, y, overlap):
         model=model if overlap else None,
         bucket_cap_mb=1e-6,
     )
-    variables = model.trainable_variables
     for step in range(WINDOWS * K):
-        lo = step * GLOBAL_MICRO + rank * B
-        out_a, out_b = model(torch.from_numpy(x[lo : lo + B]))
+        xb, _ = rows(x, y, step * GLOBAL_MICRO, rank)
+        out_a, out_b = model(xb)
         loss = torch.mean(torch.square(out_a))
         if step % K != K - 1:
             loss = loss + torch.mean(torch.square(out_b))
         if overlap:
             weigh_next_backward(optimizer, 2.0 + rank)
         loss.backward()
-        grads = [v.value.grad for v in variables]
-        with torch.no_grad():
-            optimizer.apply(grads, variables, weight=2.0 + rank)
-        model.zero_grad()
+        apply_grads(model, optimizer, weight=2.0 + rank)
     way = "overlap" if overlap else "windows"
-    return {f"missing_{way}_w{i}": w for i, w in enumerate(model.get_weights())}
+    return weights(f"missing_{way}", model)
 
 
 def noise_gradients(rank, step):

@@ -177,6 +177,21 @@ def accumulating(model):
     return getattr(optimizer, "inner_optimizer", optimizer)
 
 
+def outcome(model, logged=()):
+    """What a run ends with, as `assert_same_run` compares it: the weights,
+    the optimizer's counters and last window's loss, and the
+    `(update, window loss)` pairs a logger recorded."""
+    optimizer = accumulating(model)
+    return {
+        "weights": model.get_weights(),
+        "iterations": int(to_numpy(optimizer.iterations)),
+        "skipped": int(to_numpy(optimizer.skipped_micro_batches)),
+        "samples_seen": float(to_numpy(optimizer.samples_seen)),
+        "window_loss": float(to_numpy(optimizer.window_loss)),
+        "logged": list(logged),
+    }
+
+
 def initial_weights(run):
     keras.config.set_dtype_policy(run.policy)
     return _model().get_weights()
@@ -226,15 +241,7 @@ def train_ours(run, tmp_path):
         if run.accum_after is not None:
             accumulating(model).accum_iters = run.accum_after
         fit(model, split, run.samples, run.flush)
-    optimizer = accumulating(model)
-    return {
-        "weights": model.get_weights(),
-        "iterations": int(to_numpy(optimizer.iterations)),
-        "skipped": int(to_numpy(optimizer.skipped_micro_batches)),
-        "samples_seen": float(to_numpy(optimizer.samples_seen)),
-        "window_loss": float(to_numpy(optimizer.window_loss)),
-        "logged": windows,
-    }
+    return outcome(model, windows)
 
 
 def _resumed(run, model, tmp_path):
@@ -488,16 +495,9 @@ def train_ours_to_memory(run, injector_class):
         verbose=0,
         callbacks=[logger] if run.logger else None,
     )
-    optimizer = accumulating(model)
+    logged = zip(logger.windows["updates"], logger.windows["window_loss"])
     return {
-        "weights": model.get_weights(),
-        "iterations": int(to_numpy(optimizer.iterations)),
-        "skipped": int(to_numpy(optimizer.skipped_micro_batches)),
-        "samples_seen": float(to_numpy(optimizer.samples_seen)),
-        "window_loss": float(to_numpy(optimizer.window_loss)),
-        "logged": list(
-            zip(logger.windows["updates"], logger.windows["window_loss"])
-        ),
+        **outcome(model, logged),
         "plan": history.plan,
         "raised": injector.raised,
     }

@@ -1,8 +1,9 @@
-"""What the tests share: models, data, drawn optimizer configurations, the
-comparisons (`to_numpy`, `assert_all_close`, `assert_same_weights`,
-`assert_same_state`, `largest_difference`) and the window-mean oracle
-(`parent_on_window_means`), and the JAX multi-device worker launcher
-(`run_jax_worker`). Use these rather than local copies."""
+"""What the tests share: models, data, variables, drawn optimizer
+configurations, `fit` in the data's order (`fit_in_order`), the comparisons
+(`to_numpy`, `assert_all_close`, `assert_same_weights`, `assert_same_state`,
+`largest_difference`) and the window-mean oracle (`parent_on_window_means`),
+and the worker processes' launchers (`run_worker`, `run_mirrored_worker`,
+`run_jax_worker`, `start_logged`). Use these rather than local copies."""
 
 import json
 import os
@@ -15,14 +16,17 @@ import numpy as np
 from hypothesis import strategies as st
 
 from accum_optimizers import AdamAccumulate
+from accum_optimizers import FlushAccumulation
 from accum_optimizers import RMSpropAccumulate
 from accum_optimizers import SGDAccumulate
+from accum_optimizers import weigh_micro_batches
 
 PARENTS = {
     AdamAccumulate: keras.optimizers.Adam,
     SGDAccumulate: keras.optimizers.SGD,
     RMSpropAccumulate: keras.optimizers.RMSprop,
 }
+TESTS = Path(__file__).resolve().parent
 
 
 def small_model(seed, in_dim=4, hidden=6, out_dim=2, activation="tanh"):
@@ -48,6 +52,49 @@ def sample_weights(seed, n):
     """Sample weights, some 0, so that their sum differs from the count."""
     rng = np.random.default_rng(seed)
     return rng.choice([0.0, 0.5, 1.0, 3.0], size=n).astype("float32")
+
+
+def random_variables(seed, shapes):
+    """A `keras.Variable` of standard normal float32 values per shape."""
+    rng = np.random.default_rng(seed)
+    return [
+        keras.Variable(rng.normal(size=s).astype("float32")) for s in shapes
+    ]
+
+
+def fit_in_order(model, x, y, *, weigh=False, flush=False, **kwargs):
+    """`model.fit` on the samples in their order (`shuffle=False`), quietly,
+    as the oracles the tests compare it with see them. With `weigh`,
+    `weigh_micro_batches(model)` first; with `flush`, a
+    `FlushAccumulation()` callback after the others (`kwargs`' `callbacks`)
+    applies a window left pending at each epoch's end. Returns `model`."""
+    if weigh:
+        weigh_micro_batches(model)
+    if flush:
+        kwargs["callbacks"] = [
+            *kwargs.get("callbacks", ()),
+            FlushAccumulation(),
+        ]
+    model.fit(x, y, shuffle=False, verbose=0, **kwargs)
+    return model
+
+
+def fit_interrupted(make, x, y, split, batch_size, callbacks=()):
+    """The two runs a resume is judged by: `make()`'s compiled model fitted
+    on all of `x, y` (the uninterrupted run) and another fitted on the
+    first `split` samples, with `callbacks` (the run interrupted there),
+    both at `batch_size` in the data's order. Returns
+    `(uninterrupted, interrupted)`; a resumed run goes on with
+    `x[split:], y[split:]`."""
+    uninterrupted = fit_in_order(make(), x, y, batch_size=batch_size)
+    interrupted = fit_in_order(
+        make(),
+        x[:split],
+        y[:split],
+        batch_size=batch_size,
+        callbacks=list(callbacks),
+    )
+    return uninterrupted, interrupted
 
 
 def sequence_model(seed, vocab=12, length=6, classes=3):
@@ -298,11 +345,52 @@ def assert_same_state(ours, parent_model, our_model, parent_optimizer):
     )
 
 
+def run_worker(args, env, *, cwd=TESTS, timeout=600):
+    """Runs `python *args` in a fresh process in `cwd` with the environment
+    `env`; asserts that it exited with 0 (showing its stderr's tail if not)
+    and returns the completed process, its output captured as text."""
+    completed = subprocess.run(
+        [sys.executable, *map(str, args)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return completed
+
+
+def start_logged(args, env, log):
+    """Starts `python *args` in `tests/` with the environment `env`, its
+    stdout and stderr to the file `log` (a file, not a pipe: no process can
+    block on a full pipe while the test waits on another); returns it."""
+    with open(log, "w") as log_file:
+        return subprocess.Popen(
+            [sys.executable, *map(str, args)],
+            cwd=TESTS,
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def run_mirrored_worker(script, out_path, timeout=600):
+    """Runs `tests/<script>`, a `MirroredStrategy` worker over the 2 logical
+    CPU devices of `mirrored_devices` (split before TensorFlow starts), in
+    a fresh TensorFlow process, passing it `out_path`; checks that it ran
+    over 2 replicas and returns the JSON it wrote there."""
+    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
+    run_worker([TESTS / script, out_path], env, timeout=timeout)
+    results = json.loads(Path(out_path).read_text())
+    assert results["replicas"] == 2, results["replicas"]
+    return results
+
+
 def jax_worker_env(device_count):
     """The environment of a JAX worker process: the JAX backend on the CPU
     with `device_count` host devices (XLA fixes the count at start-up) and
     this checkout's package first on the path."""
-    here = Path(__file__).resolve().parent
     xla_flags = os.environ.get("XLA_FLAGS", "")
     return dict(
         os.environ,
@@ -312,7 +400,7 @@ def jax_worker_env(device_count):
         f"{device_count}".strip(),
         TF_CPP_MIN_LOG_LEVEL="3",
         PYTHONPATH=os.pathsep.join(
-            [str(here.parent), os.environ.get("PYTHONPATH", "")]
+            [str(TESTS.parent), os.environ.get("PYTHONPATH", "")]
         ),
     )
 
@@ -329,16 +417,11 @@ def run_jax_worker(script, out_path, device_count, timeout=300):
         device_count: the number of host devices it gets.
         timeout: seconds before the worker is killed.
     """
-    here = Path(__file__).resolve().parent
-    completed = subprocess.run(
-        [sys.executable, str(here / script), str(out_path)],
-        cwd=here,
-        env=jax_worker_env(device_count),
-        capture_output=True,
-        text=True,
+    run_worker(
+        [TESTS / script, out_path],
+        jax_worker_env(device_count),
         timeout=timeout,
     )
-    assert completed.returncode == 0, completed.stderr[-3000:]
     return json.loads(Path(out_path).read_text())
 
 

@@ -8,15 +8,14 @@ port where the coordinator's port was taken between choosing and binding.
 """
 
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from helpers import TESTS
 from helpers import jax_worker_env
+from helpers import start_logged
 
-HERE = Path(__file__).resolve().parent
 # What the coordinator prints when its port was taken meanwhile.
 PORT_TAKEN = ("already in use", "Failed to add port")
 
@@ -52,22 +51,8 @@ def _launch(script, out_dir, processes, devices_per_process, timeout):
     workers = []
     try:
         for process_id, log in enumerate(logs):
-            with open(log, "w") as log_file:
-                workers.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            str(HERE / script),
-                            coordinator,
-                            str(process_id),
-                            str(out_dir),
-                        ],
-                        cwd=HERE,
-                        env=env,
-                        stdout=log_file,
-                        stderr=subprocess.STDOUT,
-                    )
-                )
+            arguments = [TESTS / script, coordinator, process_id, out_dir]
+            workers.append(start_logged(arguments, env, log))
         deadline = time.monotonic() + timeout
         timed_out = False
         while any(worker.poll() is None for worker in workers):

@@ -4,6 +4,8 @@
 of `model` on `(x, y)` with respect to `model.trainable_variables`, computed
 the way a user's hand-written loop on that backend computes them
 (`tf.GradientTape`, `jax.grad` over `stateless_call`, `loss.backward()`).
+`train_in_batches(optimizer, model, x, y, batch_size)` applies the gradients
+of each consecutive batch in such a loop.
 `compiled_step(model, optimizer)` returns a function `(x, y) -> None` that
 computes the gradients and applies them inside the backend's compiler
 (`tf.function`, `jax.jit` with `stateless_apply`); it is `None` on torch.
@@ -81,6 +83,17 @@ elif BACKEND == "torch":
 
     def compiled_step(model, optimizer):
         return None
+
+
+def train_in_batches(optimizer, model, x, y, batch_size):
+    """A custom loop over `x, y` in consecutive batches of `batch_size`:
+    `optimizer.apply` of each batch's `gradients` (the big-batch oracle of
+    the custom-loop tests)."""
+    for start in range(0, len(x), batch_size):
+        rows = slice(start, start + batch_size)
+        optimizer.apply(
+            gradients(model, x[rows], y[rows]), model.trainable_variables
+        )
 
 
 def apply(optimizer, grads, variables):

@@ -2,8 +2,7 @@
 
     KERAS_BACKEND=tensorflow python skip_mirrored_worker.py OUT.json
 
-Splits the CPU into 2 logical devices (before TensorFlow starts) and fits
-`skip_case` under `tf.distribute.MirroredStrategy`, in a graph (on CPU,
+Fits `skip_case` under `tf.distribute.MirroredStrategy`, in a graph (on CPU,
 TensorFlow's XLA cannot compile a mirrored train step, the parent's
 neither: distribution_tf_worker.py records it); writes what it measured to
 OUT.json, as JSON.
@@ -14,15 +13,13 @@ import sys
 from pathlib import Path
 
 import tensorflow as tf
+from mirrored_devices import DEVICES
 
-_cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    _cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-)
+# The CPU is split (above) before anything below starts TensorFlow.
+# isort: split
+import skip_case
 
-import skip_case  # noqa: E402
-
-STRATEGY = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+STRATEGY = tf.distribute.MirroredStrategy(DEVICES)
 
 
 def main(out):

@@ -10,11 +10,11 @@ docs/migrate/keras-gradient-accumulation-steps.md cites these tests.
 
 import keras
 import pytest
+from helpers import fit_in_order
 from helpers import largest_difference
 from helpers import regression_data
 from helpers import small_model
 
-from accum_optimizers import FlushAccumulation
 from accum_optimizers import SGDAccumulate
 
 K, B, WINDOWS = 4, 2, 3
@@ -24,7 +24,7 @@ def _train(optimizer, batch_size):
     x, y = regression_data(7, WINDOWS * K * B)
     model = small_model(7)
     model.compile(optimizer=optimizer, loss="mse")
-    model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
+    fit_in_order(model, x, y, batch_size=batch_size)
     return model.get_weights()
 
 
@@ -72,26 +72,18 @@ def test_keras_builtin_carries_a_partial_window_ours_can_flush():
     x, y = regression_data(7, 10 * B)  # 10 micro-batches: 4 + 4 + 2
     big = small_model(7)
     big.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    big.fit(x, y, batch_size=K * B, epochs=2, shuffle=False, verbose=0)
+    fit_in_order(big, x, y, batch_size=K * B, epochs=2)
 
     builtin = small_model(7)
     builtin.compile(
         optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=K),
         loss="mse",
     )
-    builtin.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
+    fit_in_order(builtin, x, y, batch_size=B, epochs=2)
 
     ours = small_model(7)
     ours.compile(optimizer=SGDAccumulate(0.1, accum_iters=K), loss="mse")
-    ours.fit(
-        x,
-        y,
-        batch_size=B,
-        epochs=2,
-        shuffle=False,
-        verbose=0,
-        callbacks=[FlushAccumulation()],
-    )
+    fit_in_order(ours, x, y, batch_size=B, epochs=2, flush=True)
     assert int(ours.optimizer.iterations) == int(big.optimizer.iterations) == 6
     assert largest_difference(ours.get_weights(), big.get_weights()) < 1e-5
     assert largest_difference(builtin.get_weights(), big.get_weights()) > 1e-3

@@ -5,24 +5,20 @@ once in training on the concatenated window for the moving statistics, on
 the micro-batch for the training output.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import keras
 import numpy as np
 import pytest
 from helpers import assert_all_close
 from helpers import assert_same_weights
+from helpers import fit_in_order
+from helpers import run_jax_worker
+from helpers import run_mirrored_worker
 from helpers import to_numpy
 from hypothesis import given
 from hypothesis import strategies as st
 
 from accum_optimizers import AccumBatchNormalization
 from accum_optimizers import AdamAccumulate
-from accum_optimizers import FlushAccumulation
 from accum_optimizers.layers import with_accum_batch_norm
 
 MOVING = ["moving_mean", "moving_variance"]
@@ -228,10 +224,10 @@ def test_fit_with_accumulation_moves_statistics_like_the_big_batch(mode):
         loss="mse",
         **_fit_modes()[mode],
     )
-    ours.fit(x, y, batch_size=b, epochs=2, shuffle=False, verbose=0)
+    fit_in_order(ours, x, y, batch_size=b, epochs=2)
     parent = _input_bn_model(keras.layers.BatchNormalization(**options))
     parent.compile(optimizer=keras.optimizers.Adam(), loss="mse")
-    parent.fit(x, y, batch_size=k * b, epochs=2, shuffle=False, verbose=0)
+    fit_in_order(parent, x, y, batch_size=k * b, epochs=2)
 
     assert int(ours.optimizer.iterations) == int(parent.optimizer.iterations)
     assert_all_close(
@@ -246,18 +242,10 @@ def test_flush_accumulation_flushes_the_layers_with_the_optimizer():
     y = np.random.default_rng(6).normal(size=(n, 1)).astype("float32")
     ours = _input_bn_model(AccumBatchNormalization(accum_iters=k))
     ours.compile(optimizer=AdamAccumulate(accum_iters=k), loss="mse")
-    ours.fit(
-        x,
-        y,
-        batch_size=b,
-        epochs=2,
-        shuffle=False,
-        verbose=0,
-        callbacks=[FlushAccumulation()],
-    )
+    fit_in_order(ours, x, y, batch_size=b, epochs=2, flush=True)
     parent = _input_bn_model(keras.layers.BatchNormalization())
     parent.compile(optimizer=keras.optimizers.Adam(), loss="mse")
-    parent.fit(x, y, batch_size=k * b, epochs=2, shuffle=False, verbose=0)
+    fit_in_order(parent, x, y, batch_size=k * b, epochs=2)
     assert int(to_numpy(ours.layers[0].window_calls)) == 0
     assert_all_close(
         _values(ours.layers[0]), _values(parent.layers[0]), **STATISTICS
@@ -265,7 +253,7 @@ def test_flush_accumulation_flushes_the_layers_with_the_optimizer():
 
 
 def _fit_accumulating(model, x, y, b):
-    model.fit(x, y, batch_size=b, shuffle=False, verbose=0)
+    fit_in_order(model, x, y, batch_size=b)
 
 
 def test_keras_file_saved_mid_window_resumes_exactly(tmp_path):
@@ -431,28 +419,11 @@ def test_swap_helper_keeps_weights_and_predictions():
     )
 
 
-def _run_worker(name, tmp_path, backend):
-    """Runs a worker in a process of its own (it splits the CPU first)."""
-    out = tmp_path / "results.json"
-    here = Path(__file__).resolve().parent
-    result = subprocess.run(
-        [sys.executable, str(here / name), str(out)],
-        cwd=here,
-        env=dict(os.environ, KERAS_BACKEND=backend),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(out.read_text())
-
-
 @pytest.mark.backends("tensorflow")
 def test_mirrored_strategy_synchronized_is_the_global_window(tmp_path):
-    results = _run_worker(
-        "batchnorm_mirrored_worker.py", tmp_path, "tensorflow"
+    results = run_mirrored_worker(
+        "batchnorm_mirrored_worker.py", tmp_path / "results.json"
     )
-    assert results["replicas"] == 2
     # synchronized=True: the one-device big batch, with a short micro-batch
     # split 3 / 2 between the replicas.
     assert results["synchronized"] < 1e-5
@@ -462,7 +433,12 @@ def test_mirrored_strategy_synchronized_is_the_global_window(tmp_path):
 
 @pytest.mark.backends("jax")
 def test_jax_data_parallel_is_the_global_window(tmp_path):
-    results = _run_worker("batchnorm_dataparallel_worker.py", tmp_path, "jax")
+    results = run_jax_worker(
+        "batchnorm_dataparallel_worker.py",
+        tmp_path / "results.json",
+        2,
+        timeout=600,
+    )
     assert results["devices"] == 2
     assert results["difference"] < 1e-5
 

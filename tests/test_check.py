@@ -10,14 +10,13 @@ import io
 import os
 import random
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import keras
 import numpy as np
 import pytest
 from helpers import regression_data
+from helpers import run_worker
 from helpers import sequence_data
 from helpers import sequence_model
 from helpers import small_model
@@ -50,16 +49,22 @@ def _causes(report):
     return [cause.name for cause in report.causes]
 
 
-def _bn_model(seed):
+def _model(seed, *middle):
+    """Dense(6), the layers the functions `middle` make, Dense(2), all made
+    after `keras.utils.set_random_seed(seed)`."""
     keras.utils.set_random_seed(seed)
     return keras.Sequential(
         [
             keras.Input((4,)),
             keras.layers.Dense(6),
-            keras.layers.BatchNormalization(),
+            *(make() for make in middle),
             keras.layers.Dense(2),
         ]
     )
+
+
+def _bn_model(seed):
+    return _model(seed, keras.layers.BatchNormalization)
 
 
 def test_clean_model_drift_stays_within_the_floor_over_20_updates():
@@ -146,15 +151,10 @@ def test_moving_statistics_are_the_big_batchs_with_accum_batch_norm(
 
 def test_random_layers_are_named_and_compared_in_inference_mode():
     x, y = regression_data(3, 16)
-    keras.utils.set_random_seed(3)
-    model = keras.Sequential(
-        [
-            keras.Input((4,)),
-            keras.layers.Dense(6),
-            keras.layers.Dropout(0.5),
-            keras.layers.GaussianNoise(0.3),
-            keras.layers.Dense(2),
-        ]
+    model = _model(
+        3,
+        lambda: keras.layers.Dropout(0.5),
+        lambda: keras.layers.GaussianNoise(0.3),
     )
     _compiled(model, AdamAccumulate(accum_iters=2))
     report = check_exactness(model, x, y, batch_size=4, updates=2, verbose=0)
@@ -360,15 +360,8 @@ def test_train_step_without_loss_is_named():
 @pytest.mark.filterwarnings("ignore:Training ended with 1 micro-batches")
 def test_model_optimizer_and_random_state_are_left_as_they_were():
     x, y = regression_data(13, 40)
-    keras.utils.set_random_seed(13)
-    model = keras.Sequential(
-        [
-            keras.Input((4,)),
-            keras.layers.Dense(6),
-            keras.layers.Dropout(0.2),
-            keras.layers.BatchNormalization(),
-            keras.layers.Dense(2),
-        ]
+    model = _model(
+        13, lambda: keras.layers.Dropout(0.2), keras.layers.BatchNormalization
     )
     _compiled(model, AdamAccumulate(accum_iters=2))
     model.fit(x[:12], y[:12], batch_size=4, shuffle=False, verbose=0)
@@ -506,24 +499,13 @@ def test_command_line_checks_a_saved_model(tmp_path):
             [str(ROOT), os.environ.get("PYTHONPATH", "")]
         ),
     )
-    completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "accum_optimizers.check",
-            *files,
-            "--batch-size",
-            "4",
-            "--updates",
-            "2",
-        ],
+    arguments = ["--batch-size", "4", "--updates", "2"]
+    completed = run_worker(
+        ["-m", "accum_optimizers.check", *files, *arguments],
+        env,
         cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
         timeout=300,
     )
-    assert completed.returncode == 0, completed.stderr[-3000:]
     assert "exact: the drift is within the round-off floor" in (
         completed.stdout
     )

@@ -8,15 +8,13 @@ test process.
 
 import importlib.util
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import keras
 import numpy as np
 import pytest
+from helpers import TESTS
+from helpers import run_worker
 
-HERE = Path(__file__).resolve().parent
 PAIRS = [("tensorflow", "jax"), ("jax", "torch"), ("torch", "tensorflow")]
 
 
@@ -24,20 +22,11 @@ def _resume_in_subprocess(backend, directory):
     if importlib.util.find_spec(backend) is None:
         pytest.skip(f"backend {backend} is not installed")
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(HERE / "cross_backend_worker.py"),
-            "resume",
-            str(directory),
-        ],
-        cwd=HERE,
-        env=env,
-        capture_output=True,
-        text=True,
+    run_worker(
+        [TESTS / "cross_backend_worker.py", "resume", directory],
+        env,
         timeout=300,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ from distribution_jax_worker import ACCUM_ITERS
 from distribution_jax_worker import CASES
 from distribution_jax_worker import DEVICE_COUNT
 from distribution_jax_worker import WINDOWS
+from helpers import assert_all_close
 from helpers import run_jax_worker
 
 HERE = Path(__file__).resolve().parent
@@ -61,6 +62,20 @@ def test_every_case_ran_distributed_against_a_single_device_oracle(
             assert result["data_layout_axes"] == ["batch", None], name
 
 
+def _float32(values):
+    return [np.asarray(value, dtype="float32") for value in values]
+
+
+def _state_by_parent_path(result, key):
+    """The optimizer variables `result[key]` (`[path, value]` pairs) as
+    float32 arrays, keyed by the parent's paths: ours are named otherwise,
+    in the same order."""
+    paths = [path for path, _ in result["parent_state"]]
+    assert len(set(paths)) == len(paths) == len(result[key])
+    values = _float32(value for _, value in result[key])
+    return dict(zip(paths, values))
+
+
 @pytest.mark.parametrize("name", WEIGHT_CASES)
 def test_fit_under_distribution_equals_parent_on_one_device(results, name):
     """Weights and the parent's optimizer variables (moments, ...) agree.
@@ -68,28 +83,19 @@ def test_fit_under_distribution_equals_parent_on_one_device(results, name):
     rtol/atol as in helpers.assert_same_state, for the same reason.
     """
     result = results[name]
-    assert len(result["our_weights"]) == len(result["parent_weights"])
-    for index, (expected, actual) in enumerate(
-        zip(result["parent_weights"], result["our_weights"])
-    ):
-        np.testing.assert_allclose(
-            np.asarray(actual, dtype="float32"),
-            np.asarray(expected, dtype="float32"),
-            rtol=1e-4,
-            atol=1e-6,
-            err_msg=f"{name}: weight {index} differs",
-        )
-    assert len(result["our_state"]) == len(result["parent_state"])
-    for (path, expected), (_, actual) in zip(
-        result["parent_state"], result["our_state"]
-    ):
-        np.testing.assert_allclose(
-            np.asarray(actual, dtype="float32"),
-            np.asarray(expected, dtype="float32"),
-            rtol=1e-4,
-            atol=1e-6,
-            err_msg=f"{name}: optimizer variable {path} differs",
-        )
+    tolerance = dict(rtol=1e-4, atol=1e-6)
+    assert_all_close(
+        _float32(result["our_weights"]),
+        _float32(result["parent_weights"]),
+        what=f"{name}: weight",
+        **tolerance,
+    )
+    assert_all_close(
+        _state_by_parent_path(result, "our_state"),
+        _state_by_parent_path(result, "parent_state"),
+        what=f"{name}: optimizer variable",
+        **tolerance,
+    )
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -7,17 +7,11 @@ device, without a strategy, on the global batch
 `accum_iters * per-replica batch * replicas`.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from helpers import run_mirrored_worker
 
 pytestmark = pytest.mark.backends("tensorflow")
 
-HERE = Path(__file__).resolve().parent
 # Same weights up to float32 round-off of a differently ordered sum.
 TOLERANCE = 1e-6
 WINDOWS = 2
@@ -26,34 +20,23 @@ WINDOWS = 2
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     out = tmp_path_factory.mktemp("mirrored") / "results.json"
-    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
-    result = subprocess.run(
-        [sys.executable, str(HERE / "distribution_tf_worker.py"), str(out)],
-        cwd=HERE,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    results = json.loads(out.read_text())
-    assert results["replicas"] == 2
-    return results
+    return run_mirrored_worker("distribution_tf_worker.py", out)
+
+
+def _assert_equals_one_device(result, iterations=WINDOWS):
+    assert result["max_difference"] < TOLERANCE
+    assert result["iterations"] == iterations
 
 
 @pytest.mark.parametrize(
     "case", ["adam", "sgd", "rmsprop", "adam_schedule_clip_decay_ema"]
 )
 def test_fit_in_graph_mode_equals_one_device_global_batch(measured, case):
-    result = measured[f"fit/{case}"]
-    assert result["max_difference"] < TOLERANCE
-    assert result["iterations"] == WINDOWS
+    _assert_equals_one_device(measured[f"fit/{case}"])
 
 
 def test_an_accumulation_schedule_equals_growing_global_batches(measured):
-    result = measured["schedule"]
-    assert result["max_difference"] < TOLERANCE
-    assert result["iterations"] == 2
+    _assert_equals_one_device(measured["schedule"], iterations=2)
 
 
 def test_clipping_sees_the_global_mean_gradient_unlike_keras(measured):
@@ -66,9 +49,7 @@ def test_clipping_sees_the_global_mean_gradient_unlike_keras(measured):
 
 
 def test_custom_loop_with_strategy_run_in_tf_function(measured):
-    result = measured["custom_loop/adam"]
-    assert result["max_difference"] < TOLERANCE
-    assert result["iterations"] == WINDOWS
+    _assert_equals_one_device(measured["custom_loop/adam"])
 
 
 def test_one_gradient_all_reduce_per_window(measured):
@@ -94,9 +75,7 @@ def test_file_saved_under_the_strategy_resumes_on_one_device(measured):
 
 
 def test_flush_partial_window_under_the_strategy(measured):
-    result = measured["flush/sgd"]
-    assert result["max_difference"] < TOLERANCE
-    assert result["iterations"] == WINDOWS
+    _assert_equals_one_device(measured["flush/sgd"])
 
 
 def test_jit_compile_on_one_device_strategy_equals_parent(measured):

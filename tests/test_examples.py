@@ -63,42 +63,34 @@ def check_constant_effective_batch(lines):
     assert all(int(k) * int(b) == 64 for k, b in pairs), pairs
 
 
+def check_sweep(tmp_path, script, trial_line):
+    """Runs a sweep example of 2 trials: each trial's line (the lines the
+    regular expression `trial_line` finds) keeps the effective batch, and
+    the best model reloads."""
+    directory = tmp_path / "sweep"
+    out = run_example(
+        script, *SMALL, "--directory", str(directory), cwd=tmp_path
+    )
+    trials = [line for line in out.splitlines() if re.search(trial_line, line)]
+    assert len(trials) == 2, out
+    check_constant_effective_batch(trials)
+    check_best_model_reloads(out, directory)
+
+
 # Each example on one backend here; test_distributed_tuning.py runs the
 # KerasTuner one on JAX and the Optuna one on torch.
 @pytest.mark.backends("tensorflow")
 def test_kerastuner_sweep(tmp_path):
     pytest.importorskip("keras_tuner")
     pytest.importorskip("sklearn")
-    directory = tmp_path / "sweep"
-    out = run_example(
-        "kerastuner_sweep.py",
-        *SMALL,
-        "--directory",
-        str(directory),
-        cwd=tmp_path,
-    )
-    trials = [line for line in out.splitlines() if "val_loss=" in line]
-    assert len(trials) == 2, out
-    check_constant_effective_batch(trials)
-    check_best_model_reloads(out, directory)
+    check_sweep(tmp_path, "kerastuner_sweep.py", "val_loss=")
 
 
 @pytest.mark.backends("jax")
 def test_optuna_sweep(tmp_path):
     pytest.importorskip("optuna")
     pytest.importorskip("sklearn")
-    directory = tmp_path / "sweep"
-    out = run_example(
-        "optuna_sweep.py",
-        *SMALL,
-        "--directory",
-        str(directory),
-        cwd=tmp_path,
-    )
-    trials = [line for line in out.splitlines() if line.startswith("trial ")]
-    assert len(trials) == 2, out
-    check_constant_effective_batch(trials)
-    check_best_model_reloads(out, directory)
+    check_sweep(tmp_path, "optuna_sweep.py", "^trial ")
 
 
 def _load_example(name):

@@ -13,7 +13,7 @@ from helpers import assert_same_state
 from helpers import regression_data
 from helpers import small_model
 from loops import compiled_step
-from loops import gradients
+from loops import train_in_batches
 
 from accum_optimizers import AdamAccumulate
 from accum_optimizers import FlushAccumulation
@@ -154,15 +154,9 @@ def test_compiled_custom_loop_equals_parent_big_batch():
     parent = keras.optimizers.Adam(0.01)
     ours = AdamAccumulate(0.01, accum_iters=K)
     step = compiled_step(our_model, ours)
-    for window in range(WINDOWS):
-        big = slice(window * K * B, (window + 1) * K * B)
-        parent.apply(
-            gradients(parent_model, x[big], y[big]),
-            parent_model.trainable_variables,
-        )
-        for micro in range(K):
-            start = window * K * B + micro * B
-            step(x[start : start + B], y[start : start + B])
+    train_in_batches(parent, parent_model, x, y, K * B)
+    for start in range(0, len(x), B):
+        step(x[start : start + B], y[start : start + B])
     assert int(ours.iterations) == WINDOWS
     assert_same_state(ours, parent_model, our_model, parent)
 

@@ -35,18 +35,16 @@ from faults import state_of
 from faults import tap_supported
 from fuzz_runs import MemoryRun
 from fuzz_runs import Run
+from fuzz_runs import accumulating
 from fuzz_runs import assert_same_run
 from fuzz_runs import data
+from fuzz_runs import outcome
 from fuzz_runs import train_parent_to_memory
+from modes import MODES
 
 import accum_optimizers as ao
 
 BACKEND = keras.backend.backend()
-MODES = {
-    "tensorflow": ["eager", "graph", "xla"],
-    "jax": ["eager", "jit"],
-    "torch": ["eager"],
-}[BACKEND]
 ACCUM_ITERS, MICRO_BATCH, SAMPLES = 3, 2, 16
 # (point, at): the pass of that point that fails. Micro-step 1 adds to a
 # pending window, micro-step 2 closes it; the parent's update runs once
@@ -129,10 +127,6 @@ def _compile(model, optimizer, mode, **kwargs):
     return model
 
 
-def _inner(model):
-    return getattr(model.optimizer, "inner_optimizer", model.optimizer)
-
-
 def _error_text(error):
     texts = []
     while error is not None:
@@ -150,7 +144,7 @@ def _train_with_fault(point, at, mode, make_error):
     optimizer = ao.AdamAccumulate(learning_rate=0.05, accum_iters=ACCUM_ITERS)
     _compile(model, optimizer, mode)
     x, y, _ = data(Run(samples=SAMPLES))
-    snapshot = Snapshot(_inner)
+    snapshot = Snapshot(accumulating)
     snapshot.take(model)  # a PyDataset may fail before training begins
     callbacks = [snapshot]
     if point == "callback":
@@ -187,7 +181,7 @@ def test_an_error_in_a_micro_step_leaves_the_last_steps_state(
         assert PARTLY_WRITTEN in "\n".join(getattr(error, "__notes__", []))
         return
     try:
-        after = state_of(model, _inner(model))
+        after = state_of(model, accumulating(model))
     except RuntimeError as unreadable:
         # Keras' JAX `fit` donates the state to the compiled step: a step
         # that fails inside loses it, the parent's too (pinned below).
@@ -262,19 +256,6 @@ def _fit_to_memory_with_fault(point, at, mode, callbacks=()):
     return fault, model, history
 
 
-def _outcome(model):
-    optimizer = _inner(model)
-    value = lambda v: np.asarray(keras.ops.convert_to_numpy(v))  # noqa: E731
-    return {
-        "weights": model.get_weights(),
-        "iterations": int(value(optimizer.iterations)),
-        "skipped": int(value(optimizer.skipped_micro_batches)),
-        "samples_seen": float(value(optimizer.samples_seen)),
-        "window_loss": float(value(optimizer.window_loss)),
-        "logged": [],
-    }
-
-
 @pytest.mark.parametrize("point,at", MEMORY_CASES)
 @pytest.mark.parametrize("mode", MEMORY_MODES)
 def test_out_of_memory_in_a_step_is_recovered_to_the_parents_result(
@@ -293,20 +274,20 @@ def test_out_of_memory_in_a_step_is_recovered_to_the_parents_result(
     assert [size for *_, size in history.plan.recoveries] == [2]
     initial = model_with().get_weights()
     parent = train_parent_to_memory(MEMORY_RUN)
-    assert_same_run(MEMORY_RUN, _outcome(model), parent, initial)
+    assert_same_run(MEMORY_RUN, outcome(model), parent, initial)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_out_of_memory_in_a_callback_ends_fit_to_memory_with_the_error(mode):
     fault = Fault(out_of_memory_error, at=1)
-    snapshot = Snapshot(_inner)
+    snapshot = Snapshot(accumulating)
     with pytest.raises(Exception) as raised:
         _, model, _ = _fit_to_memory_with_fault(
             "none", None, mode, callbacks=[snapshot, FailingCallback(fault)]
         )
     assert MESSAGE in _error_text(raised.value)
     model = snapshot.model
-    changed = differences(state_of(model, _inner(model)), snapshot.state)
+    changed = differences(state_of(model, accumulating(model)), snapshot.state)
     assert not changed, changed
 
 
@@ -333,8 +314,8 @@ def test_an_out_of_memory_recovery_after_a_skip_stops_naming_it():
             shuffle=False,
             verbose=0,
         )
-    outcome = _outcome(model)
-    assert outcome["skipped"] == 1 and outcome["iterations"] == 0
+    ended = outcome(model)
+    assert ended["skipped"] == 1 and ended["iterations"] == 0
     assert int(keras.ops.convert_to_numpy(optimizer.micro_steps)) == 0
 
 

@@ -179,14 +179,17 @@ def test_probes_that_ran_out_of_memory_leave_no_stale_state():
     )
 
 
-def test_a_recovery_in_a_window_a_skip_regrouped_is_refused_naming_it():
+def _recovery_refused(nan_row, rules):
+    """`fit_to_memory` in windows of 12 (micro-batches of 4) with sample
+    `nan_row` NaN (its micro-batch skipped, the window regrouped) and the
+    out-of-memory `rules`: refused; returns the model and the error."""
     x, y = regression_data(0, 48)
-    x[1, 0] = np.nan  # micro-batch 0 is skipped
+    x[nan_row, 0] = np.nan
     model = small_model(0)
     model.compile(
         optimizer=AdamAccumulate(0.02, skip_nonfinite=True), loss="mse"
     )
-    Injector(model, [(3, 2)])
+    Injector(model, rules)
     with pytest.raises(RuntimeError, match="regrouped") as error:
         fit_to_memory(
             model,
@@ -197,7 +200,13 @@ def test_a_recovery_in_a_window_a_skip_regrouped_is_refused_naming_it():
             shuffle=False,
             verbose=0,
         )
-    assert "skip_nonfinite" in str(error.value)
+    return model, error.value
+
+
+def test_a_recovery_in_a_window_a_skip_regrouped_is_refused_naming_it():
+    # Micro-batch 0 is skipped; the out-of-memory error is in its window.
+    model, error = _recovery_refused(1, [(3, 2)])
+    assert "skip_nonfinite" in str(error)
     # The failed step wrote nothing: two finite micro-batches pending. (An
     # error inside the window's update: test_fault_injection.py.)
     assert int(to_numpy(model.optimizer.micro_steps)) == 2
@@ -207,23 +216,7 @@ def test_a_recovery_in_a_window_a_skip_regrouped_is_refused_naming_it():
 def test_a_recovery_in_a_later_window_of_a_regrouped_epoch_is_refused():
     # Windows of 12: the skip (samples 4-7) is in the first, which then
     # closes on sample 15; the OOM is in the second, at sample 16.
-    x, y = regression_data(0, 48)
-    x[5, 0] = np.nan
-    model = small_model(0)
-    model.compile(
-        optimizer=AdamAccumulate(0.02, skip_nonfinite=True), loss="mse"
-    )
-    Injector(model, [(4, 2)])
-    with pytest.raises(RuntimeError, match="regrouped"):
-        fit_to_memory(
-            model,
-            x,
-            y,
-            target_batch_size=12,
-            micro_batch_size=4,
-            shuffle=False,
-            verbose=0,
-        )
+    _recovery_refused(5, [(4, 2)])
 
 
 # -- Negative and non-finite sample weights -----------------------------------

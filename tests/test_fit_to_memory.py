@@ -14,6 +14,7 @@ import keras
 import numpy as np
 import pytest
 from helpers import assert_same_weights
+from helpers import fit_in_order
 from helpers import regression_data
 from helpers import sample_weights
 from helpers import small_model
@@ -141,16 +142,17 @@ def parent_run(x, y, target, epochs, sample_weight=None, orders=None):
     for epoch in range(epochs):
         order = np.arange(len(x)) if orders is None else orders[epoch]
         weights = None if sample_weight is None else sample_weight[order]
-        model.fit(
-            x[order],
-            y[order],
-            sample_weight=weights,
-            batch_size=target,
-            epochs=1,
-            shuffle=False,
-            verbose=0,
+        fit_in_order(
+            model, x[order], y[order], sample_weight=weights, batch_size=target
         )
     return model
+
+
+def assert_trains_like_parent(model, x, y, target, epochs=1, **order):
+    """`model`'s weights are the oracle's (`parent_run`); returns it."""
+    parent = parent_run(x, y, target, epochs, **order)
+    assert_same_weights(model, parent, rtol=1e-5, atol=1e-6)
+    return parent
 
 
 def ours(jit_compile="auto"):
@@ -177,9 +179,7 @@ def test_probes_find_the_largest_micro_batch_that_fits_and_train_exactly():
     assert plan.recoveries == []
     assert injector.raised == 2
     assert len(history.history["loss"]) == 2
-    assert_same_weights(
-        model, parent_run(x, y, 14, epochs=2), rtol=1e-5, atol=1e-6
-    )
+    assert_trains_like_parent(model, x, y, 14, epochs=2)
 
 
 def test_probes_leave_weights_and_optimizer_state_as_they_were():
@@ -240,8 +240,9 @@ def test_out_of_memory_mid_epoch_halves_the_micro_batch_and_stays_exact():
     assert (plan.micro_batch_size, model.optimizer.accum_iters) == (2, 6)
     assert injector.raised == 2
     assert history.epoch == [0, 1]
-    parent = parent_run(x, y, 12, epochs=2, sample_weight=weights)
-    assert_same_weights(model, parent, rtol=1e-5, atol=1e-6)
+    parent = assert_trains_like_parent(
+        model, x, y, 12, epochs=2, sample_weight=weights
+    )
     assert int(to_numpy(model.optimizer.iterations)) == int(
         to_numpy(parent.optimizer.iterations)
     )
@@ -263,68 +264,63 @@ def test_recovery_keeps_each_epochs_shuffled_order():
     )
     # The documented order: a permutation drawn from `[seed, epoch]`.
     orders = [np.random.default_rng([7, e]).permutation(30) for e in range(3)]
-    parent = parent_run(x, y, 8, epochs=3, orders=orders)
-    assert_same_weights(model, parent, rtol=1e-5, atol=1e-6)
+    assert_trains_like_parent(model, x, y, 8, epochs=3, orders=orders)
 
 
-def test_out_of_memory_on_the_first_step_of_a_fit_keeps_the_state():
-    # The first step of each `fit` (JAX: after `fit` took the state off
-    # the variables) fails, twice.
-    x, y = regression_data(6, 16)
+@pytest.mark.parametrize(
+    "seed, samples, rules, plan, epochs, probes, recoveries",
+    [
+        # The first step of each `fit` (JAX: after `fit` took the state off
+        # the variables) fails, twice.
+        pytest.param(
+            6,
+            16,
+            [(0, 4)],
+            dict(target_batch_size=16, micro_batch_size=16),
+            1,
+            [],
+            [(0, 0, 16, 8), (0, 0, 8, 4)],
+            id="the_first_step_of_a_fit",
+        ),
+        # Probes (calls 0-3: micro-batches 14, 7, 4, 5) leave a trained
+        # state behind them in Keras' JAX trainer; the first training step
+        # (call 4) fails.
+        pytest.param(
+            11,
+            45,
+            [(0, 5), (4, 3)],
+            dict(target_batch_size=14),
+            1,
+            [14, 7, 4, 5],
+            [(0, 0, 5, 3)],
+            id="the_first_step_after_probes",
+        ),
+        # 21 samples, windows of 14 and 7: epoch 0's last window (call 2) is
+        # applied by the epoch's flush; epoch 1's first step (call 3) fails.
+        pytest.param(
+            12,
+            21,
+            [(3, 4)],
+            dict(target_batch_size=14, micro_batch_size=7),
+            2,
+            [],
+            [(1, 0, 7, 4)],
+            id="an_epochs_first_step_after_a_flush",
+        ),
+    ],
+)
+def test_out_of_memory_on_a_first_step_keeps_the_state(
+    seed, samples, rules, plan, epochs, probes, recoveries
+):
+    x, y = regression_data(seed, samples)
     model = ours()
-    Injector(model, [(0, 4)])
+    Injector(model, rules)
     history = fit_to_memory(
-        model,
-        x,
-        y,
-        target_batch_size=16,
-        micro_batch_size=16,
-        shuffle=False,
-        verbose=0,
+        model, x, y, **plan, epochs=epochs, shuffle=False, verbose=0
     )
-    assert [size for _, _, size, _ in history.plan.recoveries] == [16, 8]
-    assert_same_weights(
-        model, parent_run(x, y, 16, epochs=1), rtol=1e-5, atol=1e-6
-    )
-
-
-def test_out_of_memory_on_the_first_step_after_probes_keeps_the_state():
-    # Probes (calls 0-3: micro-batches 14, 7, 4, 5) leave a trained
-    # state behind them in Keras' JAX trainer; the first training step
-    # (call 4) fails.
-    x, y = regression_data(11, 45)
-    model = ours()
-    Injector(model, [(0, 5), (4, 3)])
-    history = fit_to_memory(
-        model, x, y, target_batch_size=14, shuffle=False, verbose=0
-    )
-    assert [size for size, _, _ in history.plan.probes] == [14, 7, 4, 5]
-    assert history.plan.recoveries == [(0, 0, 5, 3)]
-    assert_same_weights(
-        model, parent_run(x, y, 14, epochs=1), rtol=1e-5, atol=1e-6
-    )
-
-
-def test_out_of_memory_on_an_epochs_first_step_after_a_flush_keeps_it():
-    # 21 samples, windows of 14 and 7: epoch 0's last window (call 2) is
-    # applied by the epoch's flush; epoch 1's first step (call 3) fails.
-    x, y = regression_data(12, 21)
-    model = ours()
-    Injector(model, [(3, 4)])
-    history = fit_to_memory(
-        model,
-        x,
-        y,
-        target_batch_size=14,
-        micro_batch_size=7,
-        epochs=2,
-        shuffle=False,
-        verbose=0,
-    )
-    assert history.plan.recoveries == [(1, 0, 7, 4)]
-    assert_same_weights(
-        model, parent_run(x, y, 14, epochs=2), rtol=1e-5, atol=1e-6
-    )
+    assert [size for size, _, _ in history.plan.probes] == probes
+    assert history.plan.recoveries == recoveries
+    assert_trains_like_parent(model, x, y, plan["target_batch_size"], epochs)
 
 
 def test_validation_and_a_users_flush_callback_survive_a_recovery():
@@ -347,8 +343,7 @@ def test_validation_and_a_users_flush_callback_survive_a_recovery():
     )
     assert history.epoch == [0, 1]
     assert len(history.history["val_loss"]) == 2
-    parent = parent_run(x, y, 8, epochs=2)
-    assert_same_weights(model, parent, rtol=1e-5, atol=1e-6)
+    parent = assert_trains_like_parent(model, x, y, 8, epochs=2)
     np.testing.assert_allclose(
         history.history["val_loss"][-1],
         parent.evaluate(x[:8], y[:8], verbose=0),
@@ -373,8 +368,7 @@ def test_inputs_may_be_dicts_of_arrays():
         verbose=0,
     )
     assert history.plan.micro_batch_size == 4
-    reference = parent_run(x, y, 10, epochs=1)
-    assert_same_weights(model, reference, rtol=1e-5, atol=1e-6)
+    assert_trains_like_parent(model, x, y, 10)
 
 
 def test_other_errors_propagate_unchanged():
@@ -496,9 +490,7 @@ def test_training_at_the_planned_micro_batch_equals_the_parent():
     )
     assert history.plan.peak_bytes <= limit
     assert history.plan.micro_batch_size < 10
-    assert_same_weights(
-        model, parent_run(x, y, 10, epochs=1), rtol=1e-5, atol=1e-6
-    )
+    assert_trains_like_parent(model, x, y, 10)
 
 
 @pytest.mark.backends("tensorflow", "torch")

@@ -18,6 +18,16 @@ keras_hub = pytest.importorskip(
 )
 
 VOCAB, LENGTH, CLASSES = 24, 6, 3
+# The backbones' arguments: one tiny layer, no dropout.
+BACKBONE = dict(
+    vocabulary_size=VOCAB,
+    num_layers=1,
+    num_heads=2,
+    hidden_dim=8,
+    intermediate_dim=16,
+    dropout=0.0,
+    max_sequence_length=LENGTH,
+)
 
 
 def _loss():
@@ -26,15 +36,7 @@ def _loss():
 
 def causal_lm(seed):
     keras.utils.set_random_seed(seed)
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=VOCAB,
-        num_layers=1,
-        num_heads=2,
-        hidden_dim=8,
-        intermediate_dim=16,
-        dropout=0.0,
-        max_sequence_length=LENGTH,
-    )
+    backbone = keras_hub.models.GPT2Backbone(**BACKBONE)
     return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
 
 
@@ -49,15 +51,7 @@ def causal_lm_data(seed, n):
 
 def text_classifier(seed):
     keras.utils.set_random_seed(seed)
-    backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=VOCAB,
-        num_layers=1,
-        num_heads=2,
-        hidden_dim=8,
-        intermediate_dim=16,
-        dropout=0.0,
-        max_sequence_length=LENGTH,
-    )
+    backbone = keras_hub.models.BertBackbone(**BACKBONE)
     return keras_hub.models.BertTextClassifier(
         backbone=backbone, num_classes=CLASSES, preprocessor=None, dropout=0.0
     )

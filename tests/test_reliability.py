@@ -12,7 +12,10 @@ import keras
 import numpy as np
 import pytest
 from helpers import assert_all_close
+from helpers import fit_in_order
+from helpers import fit_interrupted
 from helpers import parent_on_window_means
+from helpers import random_variables
 from helpers import regression_data
 from helpers import small_model
 from helpers import to_numpy
@@ -28,10 +31,7 @@ tensor = keras.ops.convert_to_tensor
 
 
 def _variables(seed=0, shapes=((3, 2), (2,), (2, 1))):
-    rng = np.random.default_rng(seed)
-    return [
-        keras.Variable(rng.normal(size=s).astype("float32")) for s in shapes
-    ]
+    return random_variables(seed, shapes)
 
 
 def _draw(rng, variables, missing=()):
@@ -195,8 +195,8 @@ def test_a_model_saved_before_training_loads_and_trains(accum_iters, tmp_path):
     path = tmp_path / "untrained.keras"
     saved.save(path)
     loaded = keras.saving.load_model(path)
-    loaded.fit(x, y, batch_size=2, shuffle=False, verbose=0)
-    saved.fit(x, y, batch_size=2, shuffle=False, verbose=0)
+    fit_in_order(loaded, x, y, batch_size=2)
+    fit_in_order(saved, x, y, batch_size=2)
     assert_all_close(loaded.weights, saved.weights, rtol=1e-6, atol=1e-7)
     assert int(loaded.optimizer.iterations) == 8 // accum_iters
 
@@ -207,27 +207,16 @@ def test_weights_only_resume_into_an_unbuilt_optimizer_is_exact(
 ):
     k, b = accum_iters, 2
     x, y = regression_data(5, 4 * 4 * b)
-    first, second = slice(0, 6 * b), slice(6 * b, None)
-    uninterrupted = _compiled(k, amsgrad=True)
-    uninterrupted.fit(x, y, batch_size=b, shuffle=False, verbose=0)
-
     path = tmp_path / "ckpt.weights.h5"
-    interrupted = _compiled(k, amsgrad=True)
-    interrupted.fit(
-        x[first],
-        y[first],
-        batch_size=b,
-        shuffle=False,
-        verbose=0,
-        callbacks=[
-            keras.callbacks.ModelCheckpoint(path, save_weights_only=True)
-        ],
+    checkpoint = keras.callbacks.ModelCheckpoint(path, save_weights_only=True)
+    uninterrupted, _ = fit_interrupted(
+        lambda: _compiled(k, amsgrad=True), x, y, 6 * b, b, [checkpoint]
     )
     restored = _compiled(k, amsgrad=True)  # optimizer not built
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no "Skipping" warning
         restored.load_weights(path)
-    restored.fit(x[second], y[second], batch_size=b, shuffle=False, verbose=0)
+    fit_in_order(restored, x[6 * b :], y[6 * b :], batch_size=b)
     assert_all_close(
         restored.weights, uninterrupted.weights, rtol=1e-6, atol=1e-7
     )
@@ -366,12 +355,11 @@ def test_flush_after_terminate_on_nan_keeps_the_weights_finite():
     x[10] = np.nan  # micro-batch 6 of 12: the second window's second
     model = _compiled(4)
     with pytest.warns(UserWarning, match="non-finite"):
-        model.fit(
+        fit_in_order(
+            model,
             x,
             y,
             batch_size=2,
-            shuffle=False,
-            verbose=0,
             callbacks=[keras.callbacks.TerminateOnNaN(), FlushAccumulation()],
         )
     assert all(np.isfinite(w).all() for w in model.get_weights())

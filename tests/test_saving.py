@@ -5,6 +5,8 @@ import pytest
 from helpers import PARENTS
 from helpers import assert_all_close
 from helpers import assert_same_weights
+from helpers import fit_in_order
+from helpers import fit_interrupted
 from helpers import regression_data
 from helpers import small_model
 
@@ -38,13 +40,9 @@ def test_keras_file_saved_mid_window_resumes_like_uninterrupted_run(
 ):
     k, b = 4, 2
     x, y = regression_data(5, 2 * k * b)
-    first, second = slice(0, 6 * b), slice(6 * b, 2 * k * b)
-
-    uninterrupted = _compiled(cls, k)
-    uninterrupted.fit(x, y, batch_size=b, shuffle=False, verbose=0)
-
-    interrupted = _compiled(cls, k)
-    interrupted.fit(x[first], y[first], batch_size=b, shuffle=False, verbose=0)
+    uninterrupted, interrupted = fit_interrupted(
+        lambda: _compiled(cls, k), x, y, 6 * b, b
+    )
     assert int(interrupted.optimizer.iterations) == 1  # 2 of 4 pending
     path = tmp_path / "mid_window.keras"
     interrupted.save(path)
@@ -61,7 +59,7 @@ def test_keras_file_saved_mid_window_resumes_like_uninterrupted_run(
         what="optimizer variable",
     )
 
-    restored.fit(x[second], y[second], batch_size=b, shuffle=False, verbose=0)
+    fit_in_order(restored, x[6 * b :], y[6 * b :], batch_size=b)
     assert int(restored.optimizer.iterations) == 2
     _assert_resumed_like_uninterrupted(restored, uninterrupted)
     assert_all_close(
@@ -81,7 +79,7 @@ def test_a_state_saved_between_windows_loads_into_another_accum_iters(
 ):
     x, y = regression_data(0, 8)
     saved = _compiled(AdamAccumulate, saved_iters)
-    saved.fit(x, y, batch_size=2, shuffle=False, verbose=0)
+    fit_in_order(saved, x, y, batch_size=2)
     path = tmp_path / "state.weights.h5"
     saved.save_weights(path)
 
@@ -141,23 +139,12 @@ def test_model_checkpoint_mid_window_resumes_like_uninterrupted_run(
 ):
     k, b = 4, 2
     x, y = regression_data(6, 2 * k * b)
-    first, second = slice(0, 6 * b), slice(6 * b, 2 * k * b)
-    uninterrupted = _compiled(cls, k)
-    uninterrupted.fit(x, y, batch_size=b, shuffle=False, verbose=0)
-
     path = tmp_path / ("ckpt.weights.h5" if weights_only else "ckpt.keras")
-    interrupted = _compiled(cls, k)
-    interrupted.fit(
-        x[first],
-        y[first],
-        batch_size=b,
-        shuffle=False,
-        verbose=0,
-        callbacks=[
-            keras.callbacks.ModelCheckpoint(
-                path, save_weights_only=weights_only
-            )
-        ],
+    checkpoint = keras.callbacks.ModelCheckpoint(
+        path, save_weights_only=weights_only
+    )
+    uninterrupted, _ = fit_interrupted(
+        lambda: _compiled(cls, k), x, y, 6 * b, b, callbacks=[checkpoint]
     )
     if weights_only:
         restored = _compiled(cls, k)
@@ -166,7 +153,7 @@ def test_model_checkpoint_mid_window_resumes_like_uninterrupted_run(
     else:
         restored = keras.saving.load_model(path)
     assert int(restored.optimizer.micro_steps) == 2
-    restored.fit(x[second], y[second], batch_size=b, shuffle=False, verbose=0)
+    fit_in_order(restored, x[6 * b :], y[6 * b :], batch_size=b)
     _assert_resumed_like_uninterrupted(restored, uninterrupted)
 
 
@@ -179,12 +166,9 @@ def test_tf_train_checkpoint_mid_window_resumes_like_uninterrupted_run(
 
     k, b = 4, 2
     x, y = regression_data(8, 2 * k * b)
-    first, second = slice(0, 5 * b), slice(5 * b, 2 * k * b)
-    uninterrupted = _compiled(cls, k)
-    uninterrupted.fit(x, y, batch_size=b, shuffle=False, verbose=0)
-
-    interrupted = _compiled(cls, k)
-    interrupted.fit(x[first], y[first], batch_size=b, shuffle=False, verbose=0)
+    uninterrupted, interrupted = fit_interrupted(
+        lambda: _compiled(cls, k), x, y, 5 * b, b
+    )
     saved = tf.train.Checkpoint(
         model=interrupted, optimizer=interrupted.optimizer
     ).save(str(tmp_path / "ckpt"))
@@ -195,7 +179,7 @@ def test_tf_train_checkpoint_mid_window_resumes_like_uninterrupted_run(
         saved
     ).assert_consumed()
     assert int(restored.optimizer.micro_steps) == 1
-    restored.fit(x[second], y[second], batch_size=b, shuffle=False, verbose=0)
+    fit_in_order(restored, x[5 * b :], y[5 * b :], batch_size=b)
     _assert_resumed_like_uninterrupted(restored, uninterrupted)
 
 

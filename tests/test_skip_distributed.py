@@ -12,16 +12,10 @@ is the parent Keras optimizer on one device on the big batches made of the
 remaining micro-batches.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 from helpers import run_jax_worker
+from helpers import run_mirrored_worker
 
-HERE = Path(__file__).resolve().parent
 # Same weights up to float32 round-off of a differently ordered sum.
 TOLERANCE = 1e-6
 
@@ -29,20 +23,7 @@ TOLERANCE = 1e-6
 @pytest.fixture(scope="module")
 def mirrored(tmp_path_factory):
     out = tmp_path_factory.mktemp("skip_mirrored") / "results.json"
-    result = subprocess.run(
-        [sys.executable, str(HERE / "skip_mirrored_worker.py"), str(out)],
-        cwd=HERE,
-        env=dict(
-            os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow"
-        ),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    results = json.loads(out.read_text())
-    assert results["replicas"] == 2
-    return results
+    return run_mirrored_worker("skip_mirrored_worker.py", out)
 
 
 def _assert_skipped_everywhere(result):

@@ -12,6 +12,7 @@ are not part of this machine: they are a model's, tested in
 
 import keras
 import numpy as np
+from helpers import PARENTS
 from helpers import assert_all_close
 from helpers import parent_on_window_means
 from helpers import to_numpy
@@ -28,12 +29,8 @@ from accum_optimizers import SGDAccumulate
 
 SHAPES = ((3, 2), (2,), (2, 1))
 CLASSES = {
-    "adam": (AdamAccumulate, keras.optimizers.Adam, {"learning_rate": 0.05}),
-    "sgd": (
-        SGDAccumulate,
-        keras.optimizers.SGD,
-        {"learning_rate": 0.1, "momentum": 0.9},
-    ),
+    "adam": (AdamAccumulate, {"learning_rate": 0.05}),
+    "sgd": (SGDAccumulate, {"learning_rate": 0.1, "momentum": 0.9}),
 }
 INITIAL_SCALE, GROWTH = 4.0, 3
 # `None` counts 1; the others are micro-batch sizes, token counts, or sums
@@ -65,7 +62,8 @@ class AccumulationMachine(RuleBasedStateMachine):
     )
     def setup(self, name, accum_iters, loss_scaled, skip_nonfinite):
         keras.backend.clear_session(free_memory=False)
-        cls, parent_cls, options = CLASSES[name]
+        cls, options = CLASSES[name]
+        parent_cls = PARENTS[cls]
         self.options = dict(options, skip_nonfinite=skip_nonfinite)
         self.cls, self.accum_iters = cls, accum_iters
         initial = [np.full(s, 0.5, "float32") for s in SHAPES]

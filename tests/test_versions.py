@@ -32,6 +32,17 @@ def _python(code, env=None, path=()):
     )
 
 
+# Prints the ImportError that importing the package raises, or "imported".
+IMPORT = """
+try:
+    import accum_optimizers
+except ImportError as error:
+    print(error)
+else:
+    print("imported")
+"""
+
+
 def _fake_keras(tmp_path, version):
     """A stand-in `keras` package that reports `version`."""
     package = tmp_path / "keras"
@@ -46,34 +57,14 @@ def _fake_keras(tmp_path, version):
 def test_importing_under_an_unsupported_keras_names_it_and_the_range(
     tmp_path, version
 ):
-    result = _python(
-        """
-        try:
-            import accum_optimizers
-        except ImportError as error:
-            print(error)
-        else:
-            print("imported")
-        """,
-        path=[_fake_keras(tmp_path, version)],
-    )
+    result = _python(IMPORT, path=[_fake_keras(tmp_path, version)])
     assert result.returncode == 0, result.stderr
     assert f"the installed Keras is {version}" in result.stdout
     assert "Keras >= 3.10, < 4" in result.stdout
 
 
 def test_importing_with_tf_keras_routed_to_keras_2_is_refused():
-    result = _python(
-        """
-        try:
-            import accum_optimizers
-        except ImportError as error:
-            print(error)
-        else:
-            print("imported")
-        """,
-        env={"TF_USE_LEGACY_KERAS": "1"},
-    )
+    result = _python(IMPORT, env={"TF_USE_LEGACY_KERAS": "1"})
     assert result.returncode == 0, result.stderr
     assert "TF_USE_LEGACY_KERAS=1" in result.stdout
     assert f"The installed Keras 3 is {keras.version()}" in result.stdout

@@ -18,34 +18,14 @@ split must happen before the backend starts, so each worker runs in a
 process of its own, once, and these tests judge what it measured.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from helpers import run_jax_worker
+from helpers import run_mirrored_worker
 
-HERE = Path(__file__).resolve().parent
 # Same weights up to float32 round-off of a differently ordered sum.
 TOLERANCE = 1e-6
 WINDOWS = 2  # a full window, then a flushed partial one
 K = 3
-
-
-def _run_worker(name, tmp_path, env):
-    """Runs a worker in a process of its own (it splits the CPU first)."""
-    out = tmp_path / "results.json"
-    result = subprocess.run(
-        [sys.executable, str(HERE / name), str(out)],
-        cwd=HERE,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **env),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(out.read_text())
 
 
 def _windows(per_micro_batch):
@@ -68,13 +48,10 @@ def _assert_equals_big_batch(result):
 
 @pytest.fixture(scope="module")
 def mirrored(tmp_path_factory):
-    results = _run_worker(
+    return run_mirrored_worker(
         "weighted_mirrored_worker.py",
-        tmp_path_factory.mktemp("weighted_mirrored"),
-        {"KERAS_BACKEND": "tensorflow"},
+        tmp_path_factory.mktemp("weighted_mirrored") / "results.json",
     )
-    assert results["replicas"] == 2
-    return results
 
 
 FIT_CASE_NAMES = [
@@ -127,10 +104,11 @@ def test_mirrored_custom_loop_with_uneven_replica_weights(mirrored, kind):
 
 @pytest.fixture(scope="module")
 def data_parallel(tmp_path_factory):
-    results = _run_worker(
+    results = run_jax_worker(
         "weighted_dataparallel_worker.py",
-        tmp_path_factory.mktemp("weighted_data_parallel"),
-        {"KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"},
+        tmp_path_factory.mktemp("weighted_data_parallel") / "results.json",
+        2,
+        timeout=600,
     )
     assert results["devices"] == 2
     return results

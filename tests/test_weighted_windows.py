@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from helpers import assert_all_close
 from helpers import assert_same_weights
+from helpers import fit_in_order
 from helpers import largest_difference
 from helpers import parent_on_window_means
 from helpers import to_numpy
@@ -25,7 +26,6 @@ from modes import MODES
 from modes import applier
 
 from accum_optimizers import AdamAccumulate
-from accum_optimizers import FlushAccumulation
 from accum_optimizers import SGDAccumulate
 from accum_optimizers import weigh_micro_batches
 
@@ -301,14 +301,13 @@ def _fit_pair(
     parent.compile(
         optimizer=parent_class(**kwargs), loss=loss, **compile_kwargs
     )
-    parent.fit(
+    fit_in_order(
+        parent,
         x,
         y,
         sample_weight=sample_weight,
         batch_size=K * B,
         epochs=epochs,
-        shuffle=False,
-        verbose=0,
     )
     ours = make()
     ours.compile(
@@ -318,17 +317,25 @@ def _fit_pair(
     )
     if weigh:
         weigh_micro_batches(ours)
-    ours.fit(
+    fit_in_order(
+        ours,
         x,
         y,
         sample_weight=sample_weight,
         batch_size=B,
         epochs=epochs,
-        shuffle=False,
-        verbose=0,
-        callbacks=[FlushAccumulation()],
+        flush=True,
     )
     return ours.get_weights(), parent.get_weights()
+
+
+def _fit_rows(model, data, rows, **kwargs):
+    """`fit_in_order` at micro-batches of `B` on the rows `rows` of
+    `data`, `(x, y, sample_weight)`."""
+    x, y, sample_weight = (array[rows] for array in data)
+    fit_in_order(
+        model, x, y, sample_weight=sample_weight, batch_size=B, **kwargs
+    )
 
 
 FIT_MODES = {
@@ -416,14 +423,8 @@ def test_fit_through_a_loss_scale_optimizer_equals_the_big_batch():
         ),
         loss="mse",
     )
-    parent.fit(
-        x,
-        y,
-        sample_weight=sample_weight,
-        batch_size=K * B,
-        epochs=2,
-        shuffle=False,
-        verbose=0,
+    fit_in_order(
+        parent, x, y, sample_weight=sample_weight, batch_size=K * B, epochs=2
     )
     ours = _dense_model()
     ours.compile(
@@ -433,15 +434,14 @@ def test_fit_through_a_loss_scale_optimizer_equals_the_big_batch():
         loss="mse",
     )
     weigh_micro_batches(ours)
-    ours.fit(
+    fit_in_order(
+        ours,
         x,
         y,
         sample_weight=sample_weight,
         batch_size=B,
         epochs=2,
-        shuffle=False,
-        verbose=0,
-        callbacks=[FlushAccumulation()],
+        flush=True,
     )
     assert_same_weights(ours, parent, rtol=1e-5, atol=2e-6)
 
@@ -456,42 +456,18 @@ def test_weighing_changes_nothing_for_equal_micro_batches():
 def test_weigh_micro_batches_after_a_fit_retraces_the_train_step():
     # Micro-batches of 4, 4, 4 | 4, 2: the second window is uneven.
     n = K * B + B + 2
-    x, y, sample_weight = _dense_data(n)
+    data = x, y, sample_weight = _dense_data(n)
     # "sum_over_batch_size": the first window's equal micro-batches are
     # exact unweighted; the second's are not.
     loss = "mse"
     parent = _dense_model()
     parent.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
-    parent.fit(
-        x,
-        y,
-        sample_weight=sample_weight,
-        batch_size=K * B,
-        shuffle=False,
-        verbose=0,
-    )
+    fit_in_order(parent, x, y, sample_weight=sample_weight, batch_size=K * B)
     ours = _dense_model()
     ours.compile(optimizer=SGDAccumulate(0.1, accum_iters=K), loss=loss)
-    first = slice(0, K * B)
-    ours.fit(
-        x[first],
-        y[first],
-        sample_weight=sample_weight[first],
-        batch_size=B,
-        shuffle=False,
-        verbose=0,
-    )  # traced unweighted
+    _fit_rows(ours, data, slice(0, K * B))  # traced unweighted
     weigh_micro_batches(ours)
-    rest = slice(K * B, n)
-    ours.fit(
-        x[rest],
-        y[rest],
-        sample_weight=sample_weight[rest],
-        batch_size=B,
-        shuffle=False,
-        verbose=0,
-        callbacks=[FlushAccumulation()],
-    )
+    _fit_rows(ours, data, slice(K * B, n), flush=True)
     assert_same_weights(ours, parent, rtol=1e-5, atol=2e-6)
 
 
@@ -536,50 +512,29 @@ def test_a_model_without_accumulation_trains_as_before():
     x, y, _ = _dense_data(K * B + 3)
     plain = _dense_model()
     plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    plain.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    fit_in_order(plain, x, y, batch_size=B)
     weighed = _dense_model()
     weighed.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     weigh_micro_batches(weighed)
-    weighed.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    fit_in_order(weighed, x, y, batch_size=B)
     assert_same_weights(weighed, plain, rtol=0, atol=0)
 
 
 def test_the_extra_weight_is_saved_in_keras_files(tmp_path):
     # A `.keras` file saved mid-window holds the pending window's weight.
-    x, y, sample_weight = _dense_data(K * B)
+    data = x, y, sample_weight = _dense_data(K * B)
     loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
     parent = _dense_model()
     parent.compile(optimizer=keras.optimizers.Adam(0.1), loss=loss)
-    parent.fit(
-        x,
-        y,
-        sample_weight=sample_weight,
-        batch_size=K * B,
-        shuffle=False,
-        verbose=0,
-    )
+    fit_in_order(parent, x, y, sample_weight=sample_weight, batch_size=K * B)
     ours = _dense_model()
     ours.compile(optimizer=AdamAccumulate(0.1, accum_iters=K), loss=loss)
     weigh_micro_batches(ours)
-    ours.fit(
-        x[:B],
-        y[:B],
-        sample_weight=sample_weight[:B],
-        batch_size=B,
-        shuffle=False,
-        verbose=0,
-    )
+    _fit_rows(ours, data, slice(0, B))
     path = tmp_path / "mid_window.keras"
     ours.save(path)
     resumed = keras.saving.load_model(path)
     weigh_micro_batches(resumed)
-    resumed.fit(
-        x[B:],
-        y[B:],
-        sample_weight=sample_weight[B:],
-        batch_size=B,
-        shuffle=False,
-        verbose=0,
-    )
+    _fit_rows(resumed, data, slice(B, None))
     assert int(resumed.optimizer.micro_steps) == 0
     assert_same_weights(resumed, parent, rtol=1e-5, atol=2e-6)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from helpers import assert_all_close
 from helpers import assert_same_weights
+from helpers import fit_in_order
 from helpers import parent_on_window_means
 from helpers import regression_data
 from helpers import sample_weights
@@ -222,13 +223,12 @@ def _parent_without(bad, x, y, batch, k, sample_weight=None):
     reference.compile(
         optimizer=keras.optimizers.Adam(learning_rate=0.05), loss="mse"
     )
-    reference.fit(
+    fit_in_order(
+        reference,
         x[kept],
         y[kept],
         sample_weight=None if sample_weight is None else sample_weight[kept],
         batch_size=k * batch,
-        shuffle=False,
-        verbose=0,
     )
     return reference
 
@@ -244,7 +244,7 @@ def test_fit_skips_a_micro_batch_with_a_nan_loss(jit_compile):
         learning_rate=0.05, accum_iters=2, skip_nonfinite=True
     )
     model.compile(optimizer=ours, loss="mse", jit_compile=jit_compile)
-    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    fit_in_order(model, x, y, batch_size=batch, epochs=1)
     assert_same_weights(model, _parent_without(bad, x, y, batch, 2))
     assert int(to_numpy(ours.skipped_micro_batches)) == 2
     assert int(to_numpy(ours.iterations)) == 5
@@ -259,15 +259,14 @@ def test_fit_skips_weighted_micro_batches_and_flushes_the_rest():
         learning_rate=0.05, accum_iters=3, skip_nonfinite=True
     )
     model.compile(optimizer=ours, loss="mse")
-    weigh_micro_batches(model)
-    model.fit(
+    fit_in_order(
+        model,
         x,
         y,
         sample_weight=weights,
         batch_size=batch,
-        shuffle=False,
-        verbose=0,
-        callbacks=[FlushAccumulation()],
+        weigh=True,
+        flush=True,
     )
     reference = _parent_without(bad, x, y, batch, 3, sample_weight=weights)
     assert_same_weights(model, reference)
@@ -286,7 +285,7 @@ def test_a_loss_scale_optimizer_skips_nonfinite_steps_before_the_window():
     model.compile(
         optimizer=keras.optimizers.LossScaleOptimizer(ours), loss="mse"
     )
-    model.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
+    fit_in_order(model, x, y, batch_size=batch)
     assert_same_weights(model, _parent_without(bad, x, y, batch, 2))
     assert int(to_numpy(ours.skipped_micro_batches)) == 0
     assert int(to_numpy(ours.micro_batches_seen)) == 4
@@ -358,13 +357,12 @@ def test_fit_reports_the_big_batch_loss_and_gradient_norm(weighted):
                 None if weights is None else weights[part],
             )
         )
-        model.fit(
+        fit_in_order(
+            model,
             x[part],
             y[part],
             sample_weight=None if weights is None else weights[part],
             batch_size=batch,
-            shuffle=False,
-            verbose=0,
         )
         loss, norm = expected[-1]
         np.testing.assert_allclose(to_numpy(ours.window_loss), loss, 1e-5)
@@ -512,7 +510,7 @@ def test_fit_with_a_per_sample_warm_up_equals_the_parent_on_growing_batches():
     )
     model.compile(optimizer=ours, loss="mse")
     weigh_micro_batches(model)  # samples, not micro-batches
-    model.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
+    fit_in_order(model, x, y, batch_size=batch)
     # Batches of 4, 4 (8 samples), 8, 8 (24), 12: 36 samples, 4 pending.
     reference = small_model(0)
     parent = keras.optimizers.Adam(learning_rate=0.1)
@@ -613,7 +611,7 @@ def test_a_multi_optimizer_hands_fit_s_loss_to_every_inner_optimizer():
     model.compile(optimizer=_multi(*inner), loss="mse")
     reference = small_model(0)
     loss, norm = _big_batch_loss_and_norm(reference, x, y)
-    model.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
+    fit_in_order(model, x, y, batch_size=batch)
     for optimizer in inner:
         np.testing.assert_allclose(to_numpy(optimizer.window_loss), loss, 1e-5)
     # Each inner optimizer's norm covers its own variables; together, the
@@ -654,17 +652,17 @@ def test_a_keras_file_resumes_skips_samples_and_a_per_sample_schedule(
 
     whole = small_model(0)
     whole.compile(optimizer=optimizer(), loss="mse")
-    whole.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
+    fit_in_order(whole, x, y, batch_size=batch)
 
     first = small_model(0)
     first.compile(optimizer=optimizer(), loss="mse")
-    first.fit(x[:24], y[:24], batch_size=batch, shuffle=False, verbose=0)
+    fit_in_order(first, x[:24], y[:24], batch_size=batch)
     assert int(to_numpy(first.optimizer.micro_steps)) > 0
     path = tmp_path / "model.keras"
     first.save(path)
     resumed = keras.models.load_model(path)
     assert resumed.optimizer.skip_nonfinite is True
-    resumed.fit(x[24:], y[24:], batch_size=batch, shuffle=False, verbose=0)
+    fit_in_order(resumed, x[24:], y[24:], batch_size=batch)
     assert_same_weights(resumed, whole, rtol=1e-6, atol=1e-7)
     for name in ("skipped_micro_batches", "samples_seen", "iterations"):
         assert float(to_numpy(getattr(resumed.optimizer, name))) == float(

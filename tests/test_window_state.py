@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from helpers import assert_all_close
 from helpers import parent_on_window_means
+from helpers import random_variables
 from helpers import regression_data
 from helpers import sample_weights
 from helpers import small_model
@@ -28,10 +29,7 @@ SHAPES = ((3, 2), (2,))
 
 
 def _variables(seed=0):
-    rng = np.random.default_rng(seed)
-    return [
-        keras.Variable(rng.normal(size=s).astype("float32")) for s in SHAPES
-    ]
+    return random_variables(seed, SHAPES)
 
 
 def _gradients(seed, count):

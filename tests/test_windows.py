@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from helpers import PARENTS
 from helpers import assert_same_weights
+from helpers import fit_in_order
 from helpers import regression_data
 from helpers import small_model
 from loops import gradients
@@ -25,19 +26,11 @@ def test_flush_every_epoch_gives_windows_of_4_4_2(cls):
     big = small_model(1)
     big.compile(optimizer=PARENTS[cls](), loss="mse")
     # The parent's batches of 4*B over 10*B samples: 4*B, 4*B, 2*B.
-    big.fit(x, y, batch_size=K * B, epochs=3, shuffle=False, verbose=0)
+    fit_in_order(big, x, y, batch_size=K * B, epochs=3)
 
     ours = small_model(1)
     ours.compile(optimizer=cls(accum_iters=K), loss="mse")
-    ours.fit(
-        x,
-        y,
-        batch_size=B,
-        epochs=3,
-        shuffle=False,
-        verbose=0,
-        callbacks=[FlushAccumulation()],
-    )
+    fit_in_order(ours, x, y, batch_size=B, epochs=3, flush=True)
     assert int(ours.optimizer.iterations) == 9
     assert int(ours.optimizer.micro_steps) == 0
     assert_same_weights(ours, big)
@@ -47,7 +40,7 @@ def test_without_flush_the_partial_window_carries_into_the_next_epoch():
     x, y = regression_data(1, 10 * B)
     ours = small_model(1)
     ours.compile(optimizer=SGDAccumulate(accum_iters=K), loss="mse")
-    ours.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
+    fit_in_order(ours, x, y, batch_size=B, epochs=2)
     assert int(ours.optimizer.iterations) == 5  # 20 micro-batches / 4
     assert int(ours.optimizer.micro_batches_seen) == 20
 
@@ -56,23 +49,21 @@ def test_flush_only_at_train_end():
     x, y = regression_data(2, 10 * B)
     ours = small_model(2)
     ours.compile(optimizer=SGDAccumulate(0.1, accum_iters=K), loss="mse")
-    ours.fit(
+    fit_in_order(
+        ours,
         x,
         y,
         batch_size=B,
         epochs=2,
-        shuffle=False,
-        verbose=0,
         callbacks=[FlushAccumulation(every_epoch=False)],
     )
     # 20 micro-batches: 5 full windows, nothing pending, nothing flushed.
     assert int(ours.optimizer.iterations) == 5
-    ours.fit(
+    fit_in_order(
+        ours,
         x[: 6 * B],
         y[: 6 * B],
         batch_size=B,
-        verbose=0,
-        shuffle=False,
         callbacks=[FlushAccumulation(every_epoch=False)],
     )
     # 6 more: one full window, then 2 flushed at the end of training.
@@ -183,28 +174,12 @@ def test_keras_learning_rate_callbacks_keep_working(callback):
     x, y = regression_data(4, 3 * K * B)
     big = small_model(4)
     big.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5), loss="mse")
-    big.fit(
-        x,
-        y,
-        batch_size=K * B,
-        epochs=3,
-        shuffle=False,
-        verbose=0,
-        callbacks=[callback()],
-    )
+    fit_in_order(big, x, y, batch_size=K * B, epochs=3, callbacks=[callback()])
     ours = small_model(4)
     ours.compile(
         optimizer=SGDAccumulate(0.1, momentum=0.5, accum_iters=K), loss="mse"
     )
-    ours.fit(
-        x,
-        y,
-        batch_size=B,
-        epochs=3,
-        shuffle=False,
-        verbose=0,
-        callbacks=[callback()],
-    )
+    fit_in_order(ours, x, y, batch_size=B, epochs=3, callbacks=[callback()])
     np.testing.assert_allclose(
         float(keras.ops.convert_to_numpy(ours.optimizer.learning_rate)),
         0.025,
@@ -218,7 +193,7 @@ def test_a_fit_that_ends_with_a_pending_window_says_so_once():
     model = small_model(3)
     model.compile(optimizer=SGDAccumulate(accum_iters=K), loss="mse")
     with pytest.warns(UserWarning, match="3 micro-batches") as record:
-        model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+        fit_in_order(model, x, y, batch_size=B)
     pending = [w for w in record if "pending" in str(w.message)]
     assert len(pending) == 1
     assert "FlushAccumulation" in str(pending[0].message)
@@ -263,6 +238,4 @@ def test_no_pending_window_warning_when_nothing_is_left(samples, callbacks):
         callbacks = [FlushAccumulation()]
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        model.fit(
-            x, y, batch_size=B, shuffle=False, verbose=0, callbacks=callbacks
-        )
+        fit_in_order(model, x, y, batch_size=B, callbacks=callbacks)

@@ -4,11 +4,11 @@ the oracle, the parent Keras optimizer in this process on the global batch
 
 import os
 import subprocess
-import sys
 import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from helpers import TESTS
+from helpers import start_logged
+
 TIMEOUT_S = 240
 
 
@@ -34,24 +34,12 @@ def run_ranks(out, world_size):
                 OMP_NUM_THREADS="1",  # 2 processes on 2 cores
                 # This checkout's package, not an installed one.
                 PYTHONPATH=os.pathsep.join(
-                    [str(HERE.parent), os.environ.get("PYTHONPATH", "")]
+                    [str(TESTS.parent), os.environ.get("PYTHONPATH", "")]
                 ),
                 TF_CPP_MIN_LOG_LEVEL="3",
             )
-            with open(out / f"rank{rank}.log", "w") as log:
-                processes.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            str(HERE / "distribution_torch_worker.py"),
-                            str(out),
-                        ],
-                        cwd=HERE,
-                        env=env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                    )
-                )
+            worker = [TESTS / "distribution_torch_worker.py", out]
+            processes.append(start_logged(worker, env, out / f"rank{rank}.log"))
         deadline = time.monotonic() + TIMEOUT_S
         for process in processes:
             process.wait(timeout=max(0.0, deadline - time.monotonic()))

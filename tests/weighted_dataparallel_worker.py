@@ -2,8 +2,8 @@
 
     KERAS_BACKEND=jax python weighted_dataparallel_worker.py OUT.json
 
-Splits the CPU into 2 JAX devices (before JAX starts), fits with
-`weigh_micro_batches` under `keras.distribution.DataParallel`, with
+Fits with `weigh_micro_batches` under `keras.distribution.DataParallel`,
+over the 2 JAX CPU devices `run_jax_worker` gives it, with
 micro-batches that differ (a short last micro-batch, sample weights,
 masked variable-length sequences), and writes, for every case, the largest
 difference of the weights from their oracle to OUT.json, as JSON: the
@@ -14,25 +14,15 @@ that of the global micro-batch.
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax
+import keras
+from helpers import largest_difference
+from weighted_case import FitCase
 
-import jax  # noqa: E402
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-from helpers import largest_difference  # noqa: E402
-from helpers import regression_data  # noqa: E402
-from helpers import sample_weights  # noqa: E402
-from helpers import sequence_data  # noqa: E402
-from helpers import sequence_model  # noqa: E402
-from helpers import small_model  # noqa: E402
-
-from accum_optimizers import AdamAccumulate  # noqa: E402
-from accum_optimizers import FlushAccumulation  # noqa: E402
-from accum_optimizers import weigh_micro_batches  # noqa: E402
+from accum_optimizers import AdamAccumulate
 
 K, GLOBAL_MICRO = 3, 8  # accum_iters, global micro-batch (4 per device)
 BIG = K * GLOBAL_MICRO
@@ -42,83 +32,43 @@ N = BIG + GLOBAL_MICRO + 6
 ADAM = {"learning_rate": 0.01}
 LENGTH = 6  # of the sequences (`helpers.sequence_data`)
 
-# name: (model, loss, uses sample weights)
 CASES = {
-    "sample_weight_sum_over_batch_size": (
-        small_model,
-        lambda: keras.losses.MeanSquaredError(),
-        True,
+    "sample_weight_sum_over_batch_size": FitCase(
+        "dense", "sum_over_batch_size", N
     ),
-    "sample_weight_mean_with_sample_weight": (
-        small_model,
-        lambda: keras.losses.MeanSquaredError(
-            reduction="mean_with_sample_weight"
-        ),
-        True,
+    "sample_weight_mean_with_sample_weight": FitCase(
+        "dense", "mean_with_sample_weight", N
     ),
     # JAX differentiates an embedding densely: Adam's big batch is an
     # oracle here.
-    "masked_sequences": (
-        sequence_model,
-        lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        False,
-    ),
+    "masked_sequences": FitCase("sequences", "sum_over_batch_size", N),
 }
 
 
-def normalizer(name, x, sample_weight, samples):
-    """What Keras divides the loss of `samples` by."""
-    if name == "masked_sequences":
-        return int(np.count_nonzero(x[samples]))
-    if name == "sample_weight_mean_with_sample_weight":
-        return float(sample_weight[samples].sum())
-    return len(x[samples])
-
-
 def run_case(name, devices):
-    make_model, make_loss, weighted = CASES[name]
-    if weighted:
-        x, y = regression_data(0, N)
-        sample_weight = sample_weights(0, N)
-    else:
-        (x, y), sample_weight = sequence_data(1, N), None
+    case = CASES[name]
+    x, _, sample_weight = case.data()
 
-    oracle = make_model(0)
+    oracle = case.model()
     initial = oracle.get_weights()
-    oracle.compile(optimizer=keras.optimizers.Adam(**ADAM), loss=make_loss())
-    oracle.fit(
-        x,
-        y,
-        sample_weight=sample_weight,
-        batch_size=BIG,
-        shuffle=False,
-        verbose=0,
-    )
+    oracle.compile(optimizer=keras.optimizers.Adam(**ADAM), loss=case.loss())
+    case.fit(oracle, BIG)
 
     distribution = keras.distribution.DataParallel(devices=devices)
     with distribution.scope():
-        model = make_model(0)
+        model = case.model()
         model.set_weights(initial)
         model.compile(
-            optimizer=AdamAccumulate(accum_iters=K, **ADAM), loss=make_loss()
+            optimizer=AdamAccumulate(accum_iters=K, **ADAM), loss=case.loss()
         )
-        weigh_micro_batches(model)
-        model.fit(
-            x,
-            y,
-            sample_weight=sample_weight,
-            batch_size=GLOBAL_MICRO,
-            shuffle=False,
-            verbose=0,
-            callbacks=[FlushAccumulation()],
-        )
+        case.fit(model, GLOBAL_MICRO, weighed=True)
         data_layout = distribution.get_data_layout((GLOBAL_MICRO, LENGTH))
     starts = range(0, N, GLOBAL_MICRO)
     return {
         # Per micro-batch, its normalizer: where they differ in a window,
         # an unweighed window is not the big batch.
         "normalizers": [
-            normalizer(name, x, sample_weight, slice(i, i + GLOBAL_MICRO))
+            case.normalizer(x, sample_weight, slice(i, i + GLOBAL_MICRO))
             for i in starts
         ],
         "data_layout_axes": list(data_layout.axes),

@@ -2,9 +2,9 @@
 
     KERAS_BACKEND=tensorflow python weighted_mirrored_worker.py OUT.json
 
-Splits the CPU into 2 logical devices (before TensorFlow starts), trains
-under `tf.distribute.MirroredStrategy` with micro-batches that differ (a
-short last micro-batch, sample weights, masked variable-length sequences)
+Trains under `tf.distribute.MirroredStrategy` over 2 logical CPU devices
+(`mirrored_devices`) with micro-batches that differ (a short last
+micro-batch, sample weights, masked variable-length sequences)
 and writes, for every case, the largest difference of the weights from
 their oracle to OUT.json, as JSON; the test judges them.
 
@@ -22,26 +22,22 @@ import sys
 from pathlib import Path
 
 import tensorflow as tf
+from mirrored_devices import DEVICES
 
-REPLICAS = 2
-_cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    _cpu, [tf.config.LogicalDeviceConfiguration()] * REPLICAS
-)
+# The CPU is split (above) before anything below starts TensorFlow.
+# isort: split
+import keras
+import numpy as np
+from helpers import PARENTS
+from helpers import largest_difference
+from helpers import regression_data
+from helpers import sequence_data
+from helpers import sequence_model
+from helpers import small_model
+from weighted_case import FitCase
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-from helpers import largest_difference  # noqa: E402
-from helpers import regression_data  # noqa: E402
-from helpers import sample_weights  # noqa: E402
-from helpers import sequence_data  # noqa: E402
-from helpers import sequence_model  # noqa: E402
-from helpers import small_model  # noqa: E402
-
-from accum_optimizers import AdamAccumulate  # noqa: E402
-from accum_optimizers import FlushAccumulation  # noqa: E402
-from accum_optimizers import SGDAccumulate  # noqa: E402
-from accum_optimizers import weigh_micro_batches  # noqa: E402
+from accum_optimizers import AdamAccumulate
+from accum_optimizers import SGDAccumulate
 
 K = 3  # accum_iters
 GLOBAL_MICRO = 8  # global micro-batch; 4 per replica
@@ -52,58 +48,15 @@ N = BIG + GLOBAL_MICRO + 5
 N_EMPTY_REPLICA = BIG + GLOBAL_MICRO + 1
 # One strategy per process: with a second one, fit failed with mismatched
 # collective ops (batchnorm_mirrored_worker.py).
-STRATEGY = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+STRATEGY = tf.distribute.MirroredStrategy(DEVICES)
 
 OPTIMIZERS = {
-    "adam": (AdamAccumulate, keras.optimizers.Adam, {"learning_rate": 0.01}),
+    "adam": (AdamAccumulate, {"learning_rate": 0.01}),
     # Keras' TensorFlow Adam updates an embedding's `IndexedSlices`
     # gradient with repeated indices unlike its dense sum (the window's
     # mean), so the parent's big batch is no oracle for Adam there.
-    "sgd_momentum": (
-        SGDAccumulate,
-        keras.optimizers.SGD,
-        {"learning_rate": 0.1, "momentum": 0.9},
-    ),
+    "sgd_momentum": (SGDAccumulate, {"learning_rate": 0.1, "momentum": 0.9}),
 }
-
-
-class FitCase:
-    """A model fitted with `weigh_micro_batches` under the strategy."""
-
-    def __init__(self, kind, reduction, samples):
-        self.kind = kind  # "dense" (sample weights) or "sequences" (masks)
-        self.reduction = reduction
-        self.samples = samples
-
-    def data(self):
-        """`x, y, sample_weight`."""
-        if self.kind == "dense":
-            x, y = regression_data(0, self.samples)
-            return x, y, sample_weights(0, self.samples)
-        return (*sequence_data(1, self.samples), None)
-
-    def model(self):
-        if self.kind == "dense":
-            return small_model(0)
-        return sequence_model(0)
-
-    def loss(self):
-        if self.kind == "dense":
-            return keras.losses.MeanSquaredError(reduction=self.reduction)
-        return keras.losses.SparseCategoricalCrossentropy(
-            from_logits=True, reduction=self.reduction
-        )
-
-    def optimizer(self):
-        return "adam" if self.kind == "dense" else "sgd_momentum"
-
-    def normalizer(self, x, sample_weight, indices):
-        """What Keras divides the loss of the samples `indices` by."""
-        if self.kind == "sequences":
-            return int(np.count_nonzero(x[indices]))
-        if self.reduction == "mean_with_sample_weight":
-            return float(sample_weight[indices].sum())
-        return len(indices)
 
 
 FIT_CASES = {
@@ -144,21 +97,17 @@ def recorded(measure):
 
 def fit_case(name):
     case = FIT_CASES[name]
-    x, y, sample_weight = case.data()
+    x, _, sample_weight = case.data()
     split = split_of_global_batches(case.samples)
-    ours_cls, parent_cls, kwargs = OPTIMIZERS[case.optimizer()]
+    ours_cls, kwargs = OPTIMIZERS[
+        "adam" if case.kind == "dense" else "sgd_momentum"
+    ]
+    parent_cls = PARENTS[ours_cls]
     initial = case.model().get_weights()
 
     oracle = case.model()
     oracle.compile(optimizer=parent_cls(**kwargs), loss=case.loss())
-    oracle.fit(
-        x,
-        y,
-        sample_weight=sample_weight,
-        batch_size=BIG,
-        shuffle=False,
-        verbose=0,
-    )
+    case.fit(oracle, BIG)
     result = {
         "split": split,
         # Per micro-batch, each replica's normalizer: where they differ,
@@ -177,16 +126,7 @@ def fit_case(name):
             model.compile(
                 optimizer=ours_cls(accum_iters=K, **kwargs), loss=case.loss()
             )
-        weigh_micro_batches(model)
-        model.fit(
-            x,
-            y,
-            sample_weight=sample_weight,
-            batch_size=GLOBAL_MICRO,
-            shuffle=False,
-            verbose=0,
-            callbacks=[FlushAccumulation()],
-        )
+        case.fit(model, GLOBAL_MICRO, weighed=True)
         return {
             "max_difference": largest_difference(
                 model.get_weights(), oracle.get_weights()
@@ -225,7 +165,8 @@ def custom_loop_case(kind):
             )
             return values, tf.cast(tf.not_equal(xb, 0), values.dtype)
 
-    ours_cls, parent_cls, kwargs = OPTIMIZERS[optimizer]
+    ours_cls, kwargs = OPTIMIZERS[optimizer]
+    parent_cls = PARENTS[ours_cls]
     initial = make_model(0).get_weights()
 
     # The oracle: the parent on the mean loss over each window's samples
