@@ -19,6 +19,13 @@ The parent is compiled with `sum_over_batch_size`, so the weight it gets
 for sample i is c_i = N * (the coefficient of l_i above), N the big
 batch's size. Its `train_on_batch` returns the loss of its forward pass,
 at the window's starting weights: the window's loss (contract 13).
+
+With `measure_noise_scale` (`Run.noise`), `NoiseOracle` works out the read-
+outs from each window's micro-batch gradients at its starting weights (the
+parent's), in float64 numpy (`helpers.small_model_gradients`): the paper's
+two estimates per window (`helpers.noise_estimates`), their moving
+averages and ratio; under `by_noise_scale` it also sizes the windows, from
+its own noise scale.
 """
 
 import dataclasses
@@ -28,7 +35,10 @@ from typing import Optional
 
 import keras
 import numpy as np
+from helpers import noise_estimate_scales
+from helpers import noise_estimates
 from helpers import small_model
+from helpers import small_model_gradients
 from helpers import to_numpy
 
 import accum_optimizers as ao
@@ -59,7 +69,8 @@ LOSS_SCALE = 16.0
 @dataclasses.dataclass
 class Run:
     """One drawn training run. `accum` is an int, a dict keyed on applied
-    updates, or `("samples", {samples: k})` for `by_samples`."""
+    updates, `("samples", {samples: k})` for `by_samples`, or `("noise",
+    {argument: value})` for `by_noise_scale` (with `noise`)."""
 
     optimizer: str = "adam"
     clipnorm: Optional[float] = None
@@ -84,6 +95,9 @@ class Run:
     accum_after: Optional[int] = None  # `accum_iters` set at the split
     jit_compile: object = "auto"
     run_eagerly: bool = False
+    # `measure_noise_scale` and `noise_scale_momentum`.
+    noise: bool = False
+    noise_momentum: float = 0.99
 
     @property
     def micro_batches(self):
@@ -95,10 +109,21 @@ class Run:
 
     @property
     def plain(self):
-        """`accum_iters=1` without skipping: the parent itself, no window."""
+        """`accum_iters=1` without skipping or measuring the noise scale:
+        the parent itself, no window."""
         return (
-            self.accum == 1 and not self.skip and self.accum_after in (None, 1)
+            self.accum == 1
+            and not self.skip
+            and not self.noise
+            and self.accum_after in (None, 1)
         )
+
+    @property
+    def noise_schedule(self):
+        """`by_noise_scale`'s arguments, or `None`."""
+        if isinstance(self.accum, tuple) and self.accum[0] == "noise":
+            return self.accum[1]
+        return None
 
 
 def data(run):
@@ -117,15 +142,20 @@ def data(run):
 
 
 def accum_iters_argument(run):
+    if run.noise_schedule is not None:
+        return ao_schedules.by_noise_scale(**run.noise_schedule)
     if isinstance(run.accum, tuple):
         return ao_schedules.by_samples(dict(run.accum[1]))
     return dict(run.accum) if isinstance(run.accum, dict) else run.accum
 
 
-def window_size(run, updates, samples):
-    """The oracle's schedule: the window that produces the next update."""
+def window_size(run, updates, samples, noise=None):
+    """The oracle's schedule: the window that produces the next update
+    (`noise`: the `NoiseOracle` a `by_noise_scale` run reads)."""
     if isinstance(run.accum, int):
         return run.accum
+    if run.noise_schedule is not None:
+        return noise.window_size(**run.noise_schedule)
     if isinstance(run.accum, tuple):
         key, table = samples, run.accum[1]
     else:
@@ -153,6 +183,9 @@ def _model():
 
 def _compile_ours(run, model):
     cls, _, options = _options(run)
+    if run.noise:
+        options["measure_noise_scale"] = True
+        options["noise_scale_momentum"] = run.noise_momentum
     optimizer = cls(
         accum_iters=accum_iters_argument(run),
         skip_nonfinite=run.skip,
@@ -203,6 +236,7 @@ def train_ours(run, tmp_path):
     x, y, w = data(run)
     model = _compile_ours(run, _model())
     windows = []
+    noise_logged = []  # (update, noise_scale) as the logger recorded them
 
     def fit(model, start, stop, flush):
         if run.weighted:
@@ -230,6 +264,11 @@ def train_ours(run, tmp_path):
             # A resumed run's logger sees the loaded last update again.
             if not windows or record[0] != windows[-1][0]:
                 windows.append(record)
+        for record in zip(
+            logger.windows["updates"], logger.windows.get("noise_scale", [])
+        ):
+            if not noise_logged or record[0] != noise_logged[-1][0]:
+                noise_logged.append(record)
 
     if run.resume is None:
         fit(model, 0, run.samples, run.flush)
@@ -241,7 +280,10 @@ def train_ours(run, tmp_path):
         if run.accum_after is not None:
             accumulating(model).accum_iters = run.accum_after
         fit(model, split, run.samples, run.flush)
-    return outcome(model, windows)
+    return {
+        **outcome(model, windows),
+        **noise_outcome(run, accumulating(model), noise_logged),
+    }
 
 
 def _resumed(run, model, tmp_path):
@@ -262,14 +304,19 @@ def pending_at_resume(run):
     windows, _, _ = expected_windows(
         dataclasses.replace(run, resume=None, accum_after=None, flush=False)
     )
-    closed = sum(len(window) for window in windows if window[-1] < run.resume_at)
+    closed = sum(
+        len(window) for window in windows if window[-1] < run.resume_at
+    )
     taken = [j for j in range(run.resume_at) if j not in run.bad]
     return len(taken) - closed
 
 
-def expected_windows(run):
+def expected_windows(run, on_close=None, noise=None):
     """The oracle's windows, in order: lists of micro-batch indices (of the
-    epoch), and the number of micro-batches skipped."""
+    epoch), and the number of micro-batches skipped. `on_close(window)` is
+    called as each window closes, before the next one's size is read (from
+    `noise`, a `NoiseOracle`, under `by_noise_scale`: `on_close` moves it
+    on)."""
     windows, pending, skipped = [], [], 0
     updates, samples = 0, 0.0
     x, _, w = data(run)
@@ -278,6 +325,8 @@ def expected_windows(run):
     def close():
         nonlocal pending, updates, samples
         windows.append(pending)
+        if on_close is not None:
+            on_close(pending)
         updates += 1
         samples += (
             sum(counts[j] for j in pending) if run.weighted else len(pending)
@@ -291,7 +340,7 @@ def expected_windows(run):
                 skipped += 0 if run.loss_scaled else 1
                 continue
             pending.append(j)
-            size = window_size(run, updates, samples)
+            size = window_size(run, updates, samples, noise)
             if run.accum_after is not None and j >= run.resume_at:
                 size = run.accum_after
             if len(pending) >= size:
@@ -329,7 +378,6 @@ def train_parent(run):
 def _train_parent(run):
     keras.config.set_dtype_policy(run.policy)
     x, y, w = data(run)
-    windows, skipped, samples = expected_windows(run)
     _, parent_cls, options = _options(run)
     optimizer = parent_cls(**options)
     if run.loss_scaled:
@@ -341,8 +389,15 @@ def _train_parent(run):
     losses = []
     ones = np.ones(run.samples, "float64")
     weights = ones if w is None else w.astype("float64")
-    for window in windows:
+    noise = NoiseOracle(run) if run.noise else None
+
+    def train(window):
+        """The parent's step on the window's big batch (and the noise
+        scale's estimates from its micro-batches, before, at the window's
+        starting weights)."""
         counts = [_count(run, w, j) for j in window]
+        if noise is not None:
+            noise.add(model.get_weights(), window, counts)
         rows = np.concatenate([_rows(run, j) for j in window])
         coefficient = np.concatenate(
             [
@@ -361,6 +416,8 @@ def _train_parent(run):
             sample_weight=(coefficient * len(rows)).astype("float32"),
         )
         losses.append(float(np.ravel(loss)[0]))
+
+    windows, skipped, samples = expected_windows(run, train, noise)
     return {
         "weights": model.get_weights(),
         "iterations": len(windows),
@@ -368,6 +425,8 @@ def _train_parent(run):
         "samples_seen": float(len(windows)) if run.plain else samples,
         "window_loss": _last_window_loss(run, windows, losses),
         "losses": losses,
+        "windows": windows,
+        "noise": noise,
     }
 
 
@@ -377,13 +436,222 @@ def _last_window_loss(run, windows, losses):
     switched a weights file of one to a window."""
     if run.plain:
         return 0.0
-    if run.accum == 1 and run.resume == "weights" and run.accum_after:
+    if (
+        run.accum == 1
+        and not run.noise
+        and run.resume == "weights"
+        and run.accum_after
+    ):
         losses = [
             loss
             for window, loss in zip(windows, losses)
             if window[0] >= run.resume_at
         ]
     return losses[-1] if losses else 0.0
+
+
+# -- The gradient noise scale -------------------------------------------------
+
+NOISE_READ_OUTS = (
+    "noise_scale",
+    "gradient_sq_norm",
+    "gradient_noise_trace",
+    "window_gradient_sq_norm",
+    "window_noise_trace",
+)
+# How far a run's estimates may be from the oracle's, relative to the terms
+# they are differences of (`helpers.noise_estimate_scales`), not to the
+# estimates (which nearly cancel where the noise dominates): the run's
+# micro-batch gradients are at its own weights, the parent's to round-off,
+# and it sums their squares in float32. Seen: 1e-7 in float32, 2e-3 under
+# mixed_bfloat16 (whose weights are the parent's to a few 16-bit units).
+NOISE_RTOL = {"float32": 1e-5, "mixed_float16": 2e-2, "mixed_bfloat16": 2e-2}
+
+
+class AmbiguousWindow(Exception):
+    """The oracle's noise scale is too close to a boundary of
+    `by_noise_scale`'s map to say which window a float32 run chooses."""
+
+
+class NoiseOracle:
+    """The noise scale's read-outs of a run, worked out in float64 numpy
+    from each window's micro-batch gradients at its starting weights (the
+    parent's): each micro-batch's mean gradient is that of its own loss,
+    `sum_i w_i l_i / n_j`, of weight `n_j` in weighted windows (1 in
+    unweighted ones). Each value comes with a bound on how far the run may
+    be from it (`NOISE_RTOL`), so that a comparison is an interval
+    and the noise scale's boundaries in `by_noise_scale` are known to be
+    clear (`AmbiguousWindow` where they are not)."""
+
+    def __init__(self, run):
+        self.run = run
+        self.x, self.y, self.w = data(run)
+        self.momentum = run.noise_momentum
+        self.rtol = NOISE_RTOL[run.policy]
+        schedule = run.noise_schedule or {}
+        self.warmup = schedule.get("warmup_windows", 0)
+        # The moving averages of the estimates (|G|^2, tr(Sigma)), of their
+        # bounds, and their total weight; the last window's estimates (0
+        # before the first update) and bounds.
+        self.averages = np.zeros(2)
+        self.bounds = np.zeros(2)
+        self.weight = 0.0
+        self.window = np.zeros(2)
+        self.window_bounds = np.zeros(2)
+        # The largest noise scale counted (its interval): a variable that
+        # starts at 0.
+        self.largest = (0.0, 0.0)
+        self.history = []  # the noise scale's interval after each update
+        self.estimates = 0  # windows that gave an estimate
+
+    def add(self, weights, window, counts):
+        """A window closes: `window` its micro-batch indices, `counts`
+        what their losses are divided by, `weights` the model's."""
+        grads = []
+        for j, n in zip(window, counts):
+            rows = _rows(self.run, j)
+            sample = np.ones(len(rows)) if self.w is None else self.w[rows]
+            grads.append(
+                small_model_gradients(
+                    weights, self.x[rows], self.y[rows], sample / n
+                )
+            )
+        micro_weights = counts if self.run.weighted else [1.0] * len(window)
+        self.window = np.asarray(noise_estimates(grads, micro_weights))
+        self.window_bounds = self.rtol * np.asarray(
+            noise_estimate_scales(grads, micro_weights)
+        )
+        if len(window) >= 2:
+            m = self.momentum
+            self.averages = m * self.averages + (1 - m) * self.window
+            self.bounds = m * self.bounds + (1 - m) * self.window_bounds
+            self.weight = m * self.weight + (1 - m)
+            self.estimates += 1
+            if self._ready():
+                lo, hi = self.noise_scale()
+                self.largest = (
+                    max(self.largest[0], lo),
+                    max(self.largest[1], hi),
+                )
+        self.history.append(self.noise_scale())
+
+    def _ready(self):
+        """`noise._accum_noise_ready`: averages of `warmup` windows."""
+        if self.warmup <= 0:
+            return True
+        return self.weight >= (1 - self.momentum**self.warmup) * (1 - 1e-5)
+
+    def noise_scale(self):
+        """The interval of `tr(Sigma) / |G|^2` of the averages (infinite
+        where `|G|^2 <= 0`); NaNs before the first estimate."""
+        if self.weight <= 0:
+            return (np.nan, np.nan)
+        (sq_norm, trace), (sq_bound, trace_bound) = self.averages, self.bounds
+        if sq_norm - sq_bound > 0:
+            corners = [
+                (trace + a) / (sq_norm + b)
+                for a in (-trace_bound, trace_bound)
+                for b in (-sq_bound, sq_bound)
+            ]
+            return (min(corners), max(corners))
+        if sq_norm + sq_bound <= 0:
+            return (np.inf, np.inf)
+        # |G|^2 within its bound of 0: the ratio is huge, or infinite.
+        if trace - trace_bound >= 0:
+            return ((trace - trace_bound) / (sq_norm + sq_bound), np.inf)
+        return (-np.inf, np.inf)
+
+    def window_size(
+        self, micro_batch_size, floor, ceiling, grow_only, warmup_windows
+    ):
+        """`by_noise_scale`'s window after the windows added so far."""
+        if grow_only:
+            key = self.largest
+        elif self._ready():
+            key = self.noise_scale()
+        else:
+            key = (np.nan, np.nan)
+
+        def size(value):
+            if np.isnan(value):
+                return floor
+            return int(
+                np.clip(np.ceil(value / micro_batch_size), floor, ceiling)
+            )
+
+        sizes = {size(value) for value in key}
+        if len(sizes) > 1:
+            raise AmbiguousWindow(
+                f"noise scale in {key}: windows {sorted(sizes)} "
+                f"(micro_batch_size={micro_batch_size})"
+            )
+        return sizes.pop()
+
+    def expected(self):
+        """`{read-out: (lo, hi)}`, NaNs where the read-out is NaN."""
+        nan = (np.nan, np.nan)
+        weight = self.weight
+        averages = [
+            (
+                (value - bound) / weight,
+                (value + bound) / weight,
+            )
+            if weight > 0
+            else nan
+            for value, bound in zip(self.averages, self.bounds)
+        ]
+        windows = [
+            (value - bound, value + bound)
+            for value, bound in zip(self.window, self.window_bounds)
+        ]
+        return dict(
+            zip(NOISE_READ_OUTS, [self.noise_scale(), *averages, *windows])
+        )
+
+
+def noise_outcome(run, optimizer, logged):
+    """The noise scale's read-outs of `optimizer` after a run, and the
+    noise scales a logger recorded, `(update, noise_scale)` (nothing where
+    the run does not measure it)."""
+    if not run.noise:
+        return {}
+    return {
+        "noise": {
+            name: float(to_numpy(getattr(optimizer, name)))
+            for name in NOISE_READ_OUTS
+        },
+        "noise_logged": logged,
+    }
+
+
+def _assert_within(value, interval, what):
+    lo, hi = interval
+    if np.isnan(lo):
+        assert np.isnan(value), f"{what}: {value}, expected NaN"
+        return
+    atol = 1e-6
+    assert lo - atol <= value <= hi + atol, (
+        f"{what}: {value}, expected in [{lo:.6g}, {hi:.6g}]"
+    )
+
+
+def assert_same_noise(run, ours, parent):
+    """The noise scale's read-outs after the run, and those the logger
+    recorded after each update, are the oracle's (`NoiseOracle`): to
+    float32 round-off, or a loose `NOISE_RTOL` under the 16-bit policies;
+    NaN exactly where the oracle's are (no estimate yet, or a last window
+    of one micro-batch)."""
+    oracle = parent["noise"]
+    expected = oracle.expected()
+    for name in NOISE_READ_OUTS:
+        _assert_within(ours["noise"][name], expected[name], name)
+    if run.logger:
+        for update, value in ours["noise_logged"]:
+            _assert_within(
+                value,
+                oracle.history[update - 1],
+                f"noise_scale logged at update {update}",
+            )
 
 
 def assert_same_run(run, ours, parent, initial, unchecked=()):

@@ -442,3 +442,85 @@ def window_state(optimizer):
 def parent_class(cls):
     """The Keras optimizer class an accumulating class was made from."""
     return cls.parent_class
+
+
+def small_model_gradients(weights, x, y, coefficients):
+    """The gradients of `sum_i coefficients[i] * l_i` over `small_model`'s
+    weights (`get_weights()` order: kernel, bias, kernel, bias), `l_i` the
+    mean squared error of sample i over its outputs: numpy, float64, by
+    hand, so that an oracle needs neither the backend nor the library."""
+    k1, b1, k2, b2 = (np.asarray(w, "float64") for w in weights)
+    x, y = np.asarray(x, "float64"), np.asarray(y, "float64")
+    hidden = np.tanh(x @ k1 + b1)
+    # d l_i / d prediction = 2 (p - y) / outputs.
+    upstream = (
+        np.asarray(coefficients, "float64")[:, None]
+        * 2.0
+        * (hidden @ k2 + b2 - y)
+        / y.shape[1]
+    )
+    before_tanh = (upstream @ k2.T) * (1.0 - hidden**2)
+    return [
+        x.T @ before_tanh,
+        before_tanh.sum(0),
+        hidden.T @ upstream,
+        upstream.sum(0),
+    ]
+
+
+def _noise_terms(window, weights):
+    """`(mean |g_j|^2, |g|^2, B_small, B_big)` of a window: its
+    micro-batches' mean gradients `g_j` (lists of arrays) of weights `n_j`,
+    and their weighted mean `g`, in float64."""
+    weights = np.asarray(weights, "float64")
+    sq_norms = [
+        sum((np.asarray(g, "float64") ** 2).sum() for g in step)
+        for step in window
+    ]
+    big_batch = weights.sum()
+    mean = [
+        sum(
+            w * np.asarray(step[i], "float64")
+            for w, step in zip(weights, window)
+        )
+        / big_batch
+        for i in range(len(window[0]))
+    ]
+    small_batch = len(window) / (1.0 / weights).sum()
+    big = sum((m**2).sum() for m in mean)
+    return np.mean(sq_norms), big, small_batch, big_batch
+
+
+def noise_estimates(window, weights):
+    """The gradient noise scale's two unbiased estimates from one window
+    (McCandlish et al. 2018, Appendix A; `_window/noise.py`), in float64:
+    `(|G|^2, tr(Sigma))`, or NaNs for a window of one micro-batch.
+
+    Args:
+        window: its micro-batches' mean gradients, each a list of arrays
+            (one per variable).
+        weights: their weights `n_j` (1 each for unweighted windows).
+    """
+    if len(window) < 2:
+        return np.nan, np.nan
+    small, big, small_batch, big_batch = _noise_terms(window, weights)
+    sq_norm = (big_batch * big - small_batch * small) / (
+        big_batch - small_batch
+    )
+    trace = (small - big) / (1 / small_batch - 1 / big_batch)
+    return sq_norm, trace
+
+
+def noise_estimate_scales(window, weights):
+    """The sizes of the terms `noise_estimates` takes differences of, for
+    `(|G|^2, tr(Sigma))`: a float32 computation of either is off by its
+    round-off relative to these, not to the (much smaller, where the
+    terms nearly cancel) estimate. NaNs for a window of one micro-batch."""
+    if len(window) < 2:
+        return np.nan, np.nan
+    small, big, small_batch, big_batch = _noise_terms(window, weights)
+    gap = big_batch - small_batch
+    return (
+        (big_batch * big + small_batch * small) / gap,
+        (small + big) * small_batch * big_batch / gap,
+    )

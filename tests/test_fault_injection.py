@@ -17,6 +17,11 @@ patched) and a callback. The errors are raised while the step runs, from
 inside compiled code where the mode has it (`tf.py_function`,
 `jax.pure_callback`); TensorFlow's XLA runs no Python, so there only the
 data and callback points are injected.
+
+Every optimizer here measures the gradient noise scale (`NOISE`): its
+variables (the window's noise sums, the last window's estimates, their
+moving averages) are among the optimizer's variables a failed step must
+leave as they were.
 """
 
 import keras
@@ -46,6 +51,9 @@ import accum_optimizers as ao
 
 BACKEND = keras.backend.backend()
 ACCUM_ITERS, MICRO_BATCH, SAMPLES = 3, 2, 16
+# The optimizers' arguments besides: the noise scale's variables are
+# written in every micro-step and close, so a failed one must leave them.
+NOISE = {"measure_noise_scale": True, "noise_scale_momentum": 0.5}
 # (point, at): the pass of that point that fails. Micro-step 1 adds to a
 # pending window, micro-step 2 closes it; the parent's update runs once
 # per variable (4 of them) in each close: pass 1 is the first close's
@@ -141,7 +149,9 @@ def _train_with_fault(point, at, mode, make_error):
         forward=fault if point == "forward" else None,
         backward=fault if point == "backward" else None,
     )
-    optimizer = ao.AdamAccumulate(learning_rate=0.05, accum_iters=ACCUM_ITERS)
+    optimizer = ao.AdamAccumulate(
+        learning_rate=0.05, accum_iters=ACCUM_ITERS, **NOISE
+    )
     _compile(model, optimizer, mode)
     x, y, _ = data(Run(samples=SAMPLES))
     snapshot = Snapshot(accumulating)
@@ -174,6 +184,7 @@ def test_an_error_in_a_micro_step_leaves_the_last_steps_state(
         point, at, mode, lambda: RuntimeError(f"{MESSAGE}: RuntimeError")
     )
     assert fault.raised == 1
+    assert _noise_variables(snapshot.state), "the noise scale's variables"
     assert MESSAGE in _error_text(error), _error_text(error)
     if point == "update" and mode == "eager" and BACKEND != "jax":
         # The close had begun to write: it cannot be undone, and says so.
@@ -191,6 +202,12 @@ def test_an_error_in_a_micro_step_leaves_the_last_steps_state(
     assert not changed, (
         f"after {snapshot.steps} steps, the failing one changed {changed}"
     )
+
+
+def _noise_variables(state):
+    """The paths in a `state_of` of the noise scale's variables named for
+    it (its sums, the last window's trace, the averages' weight...)."""
+    return [path for path in state["optimizer"] if "noise" in path]
 
 
 @pytest.mark.backends("jax")
@@ -237,7 +254,7 @@ def _fit_to_memory_with_fault(point, at, mode, callbacks=()):
         forward=fault if point == "forward" else None,
         backward=fault if point == "backward" else None,
     )
-    _compile(model, ao.AdamAccumulate(learning_rate=0.02), mode)
+    _compile(model, ao.AdamAccumulate(learning_rate=0.02, **NOISE), mode)
     run = MEMORY_RUN
     x, y, _ = data(Run(samples=run.samples))
     with patch_parent_update_step(
@@ -301,7 +318,7 @@ def test_an_out_of_memory_recovery_after_a_skip_stops_naming_it():
     x, y, _ = data(Run(samples=24))
     x[0, 0] = np.nan
     model = model_with()
-    optimizer = ao.AdamAccumulate(0.01, skip_nonfinite=True)
+    optimizer = ao.AdamAccumulate(0.01, skip_nonfinite=True, **NOISE)
     _compile(model, optimizer, "eager" if BACKEND == "torch" else "graph")
     Injector(model, [(1, 2)])
     with pytest.raises(RuntimeError, match="regrouped"):
@@ -332,7 +349,7 @@ BAD_ARGUMENTS = {
 @pytest.mark.parametrize("bad", sorted(BAD_ARGUMENTS))
 def test_a_call_with_a_bad_argument_raises_and_changes_nothing(bad, request):
     variables = [keras.Variable(np.ones(3, "float32"))]
-    optimizer = ao.AdamAccumulate(0.1, accum_iters=3)
+    optimizer = ao.AdamAccumulate(0.1, accum_iters=3, **NOISE)
     optimizer.build(variables)
     grads = [keras.ops.ones(3)]
     optimizer.apply(grads, variables, weight=2.0, loss=1.0)
@@ -372,7 +389,7 @@ def test_a_negative_normalizer_anywhere_in_a_window_changes_no_weight(
     weights[4 * position : 4 * position + 3] = -2.0
     model = model_with()
     model.compile(
-        optimizer=ao.AdamAccumulate(0.05, accum_iters=3),
+        optimizer=ao.AdamAccumulate(0.05, accum_iters=3, **NOISE),
         loss=keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"),
         run_eagerly=mode == "eager" and BACKEND != "torch",
         jit_compile=mode in ("xla", "jit"),

@@ -2,9 +2,13 @@
 training runs, where features meet (schedules, weighted and uneven
 micro-batches, sample weights, flushes, skipped non-finite micro-batches,
 mixed precision, `steps_per_execution`, the logger, a resume mid-epoch,
-execution modes), and each ends where the parent Keras optimizer fed the
-same big batches ends: its weights, `iterations`, `samples_seen`,
-`window_loss`, `skipped_micro_batches` (`fuzz_runs.py` has the oracle).
+execution modes, the gradient noise scale measured and windows grown to
+it), and each ends where the parent Keras optimizer fed the same big
+batches ends: its weights, `iterations`, `samples_seen`, `window_loss`,
+`skipped_micro_batches` (`fuzz_runs.py` has the oracle); and where it
+measures the noise scale, its read-outs (and those the logger recorded) are
+those worked out in numpy from the micro-batch gradients at each window's
+starting weights (`fuzz_runs.NoiseOracle`).
 
 Examples per backend follow `HYPOTHESIS_PROFILE`: a few, derandomized, in
 CI; `HYPOTHESIS_PROFILE=thorough` runs hundreds:
@@ -16,16 +20,26 @@ CI; `HYPOTHESIS_PROFILE=thorough` runs hundreds:
 import os
 
 import keras
+import numpy as np
 import pytest
+from fuzz_runs import SEED
+from fuzz_runs import AmbiguousWindow
 from fuzz_runs import MemoryRun
 from fuzz_runs import Run
+from fuzz_runs import assert_same_noise
 from fuzz_runs import assert_same_run
+from fuzz_runs import data
 from fuzz_runs import initial_weights
 from fuzz_runs import pending_at_resume
 from fuzz_runs import train_ours
 from fuzz_runs import train_ours_to_memory
 from fuzz_runs import train_parent
 from fuzz_runs import train_parent_to_memory
+from helpers import assert_all_close
+from helpers import small_model
+from helpers import small_model_gradients
+from helpers import to_numpy
+from hypothesis import assume
 from hypothesis import given
 from hypothesis import note
 from hypothesis import settings
@@ -38,6 +52,22 @@ PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 EXAMPLES = int(
     os.environ.get("FUZZ_EXAMPLES", {"ci": 10, "compat": 3}.get(PROFILE, 200))
 )
+
+
+@st.composite
+def noise_schedules(draw, unit):
+    """`("noise", by_noise_scale's arguments)`: windows of 2 to 4, a
+    micro-batch of weight `unit`, scaled so that they grow on this data."""
+    return (
+        "noise",
+        {
+            "micro_batch_size": unit * draw(st.sampled_from([0.25, 0.5, 1])),
+            "floor": 2,
+            "ceiling": draw(st.integers(3, 4)),
+            "grow_only": draw(st.booleans()),
+            "warmup_windows": draw(st.integers(0, 2)),
+        },
+    )
 
 
 @st.composite
@@ -74,14 +104,20 @@ def runs(draw):
         # sign in two exact runs, moves by a whole step. SGD's update is
         # proportional to the gradient, so its round-off stays small.
         run.optimizer = "sgd"
-    run.accum = draw(
-        st.one_of(
-            st.integers(1, 4),
-            st.just({0: 2, 2: 3}),
-            st.just({0: 1, 1: 3, 3: 2}),
-            st.just(("samples", {0: 2, 4 * micro_batch if weighted else 4: 3})),
-        )
-    )
+    run.noise = draw(st.booleans())
+    accum = [
+        st.integers(1, 4),
+        st.just({0: 2, 2: 3}),
+        st.just({0: 1, 1: 3, 3: 2}),
+        st.just(("samples", {0: 2, 4 * micro_batch if weighted else 4: 3})),
+    ]
+    if run.noise:
+        run.noise_momentum = draw(st.sampled_from([0.0, 0.5, 0.9]))
+        # Under 16-bit policies the oracle's noise scale is not the run's
+        # to the precision a window's size needs.
+        if run.policy == "float32" and draw(st.booleans()):
+            accum = [noise_schedules(micro_batch if weighted else 1)]
+    run.accum = draw(st.one_of(*accum))
     if run.sample_weight and draw(st.booleans()):
         run.reduction = "mean_with_sample_weight"
     run.skip = draw(st.booleans())
@@ -124,6 +160,7 @@ def _raises_accum_iters_built_without_window(run):
         run.resume in ("continue", "keras")
         and run.accum == 1
         and not run.skip
+        and not run.noise
         and (run.accum_after or 1) > 1
     )
 
@@ -158,8 +195,16 @@ def check(run, tmp_path):
         return
     initial = initial_weights(run)
     ours = train_ours(run, tmp_path)
-    parent = train_parent(run)
+    try:
+        parent = train_parent(run)
+    except AmbiguousWindow as ambiguous:
+        # Rare: the run's window there is float32 round-off's choice.
+        note(f"not checked: {ambiguous}")
+        assume(False)
     assert_same_run(run, ours, parent, initial, unchecked)
+    if run.noise:
+        assert_same_noise(run, ours, parent)
+    return ours, parent
 
 
 @settings(max_examples=EXAMPLES)
@@ -258,6 +303,88 @@ def test_fit_to_memory_after_a_last_probe_that_does_not_fit():
     assert [size for size, *_ in ours["plan"].probes] == [8, 4, 2, 3]
     parent = train_parent_to_memory(run)
     assert_same_run(run, ours, parent, initial_weights(Run()))
+
+
+# -- The gradient noise scale's oracle, and runs that always measure it --------
+
+
+def test_the_noise_oracle_s_numpy_gradients_are_the_backend_s():
+    """`helpers.small_model_gradients` (the noise oracle's micro-batch
+    gradients) against the backend's autodiff (`loops.gradients`, of the
+    mean squared error over a batch): on a batch, and weighted, on the
+    samples repeated as often as their weight says."""
+    from loops import gradients
+
+    x, y, _ = data(Run(samples=6))
+    model = small_model(SEED)
+    repeats = np.array([1, 0, 3, 1, 2, 1])
+    for coefficients, rows in (
+        (np.full(6, 1 / 6), np.arange(6)),
+        (repeats / repeats.sum(), np.repeat(np.arange(6), repeats)),
+    ):
+        assert_all_close(
+            small_model_gradients(model.get_weights(), x, y, coefficients),
+            to_numpy(list(gradients(model, x[rows], y[rows]))),
+            rtol=1e-5,
+            atol=1e-6,
+        )
+
+
+def test_the_noise_scale_of_weighted_windows_with_a_skip_and_a_flush(
+    tmp_path,
+):
+    # Windows of 3 micro-batches of 3 samples (the last of one), with
+    # sample weights under `mean_with_sample_weight`, micro-batch 1 skipped
+    # and each epoch's window of one flushed (no estimate): the read-outs
+    # and the logged noise scale after each update are the oracle's.
+    run = Run(
+        accum=3,
+        micro_batch=3,
+        samples=22,
+        epochs=2,
+        weighted=True,
+        sample_weight=True,
+        reduction="mean_with_sample_weight",
+        skip=True,
+        bad=(1,),
+        flush=True,
+        logger=True,
+        noise=True,
+        noise_momentum=0.5,
+    )
+    ours, parent = check(run, tmp_path)
+    assert [len(window) for window in parent["windows"]] == [3, 3, 1] * 2
+    assert np.isnan(ours["noise"]["window_noise_trace"])
+    assert np.isfinite(ours["noise"]["noise_scale"])
+    assert len(ours["noise_logged"]) == 6
+
+
+@pytest.mark.parametrize("grow_only", [True, False])
+def test_windows_sized_by_the_noise_scale_are_the_oracle_s(grow_only, tmp_path):
+    # `by_noise_scale` keyed on the oracle's own noise scale: the windows
+    # grow past the floor after the warm-up, and the run is the parent's
+    # on them.
+    run = Run(
+        accum=(
+            "noise",
+            {
+                "micro_batch_size": 1,
+                "floor": 2,
+                "ceiling": 4,
+                "grow_only": grow_only,
+                "warmup_windows": 1,
+            },
+        ),
+        micro_batch=2,
+        samples=36,
+        epochs=2,
+        logger=True,
+        noise=True,
+        noise_momentum=0.5,
+    )
+    ours, parent = check(run, tmp_path)
+    sizes = [len(window) for window in parent["windows"]]
+    assert sizes[0] == 2 and max(sizes) > 2, sizes
 
 
 @pytest.mark.backends("torch")
