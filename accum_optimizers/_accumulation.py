@@ -62,6 +62,16 @@ from accum_optimizers._window.spec import window_state
 from accum_optimizers._window.step import WindowStep
 
 
+class _ParentClass:
+    """`parent_class`, read on the class or an instance: the class that
+    `accumulating` gave (`_parent`). A descriptor rather than the class
+    itself, so that documentation tools reading the classes do not follow
+    it into Keras."""
+
+    def __get__(self, optimizer, owner):
+        return getattr(owner, "_parent", None)
+
+
 class GradientAccumulation(
     WindowStep,
     WindowClose,
@@ -95,7 +105,7 @@ class GradientAccumulation(
             Defaults to `False`.
     """
 
-    parent_class = None
+    parent_class = _ParentClass()
     flush_at_train_end = False
 
     def __init__(self, *args, **kwargs):

@@ -99,7 +99,7 @@ def accumulating(
             "__qualname__": name,
             "__doc__": _docstring(optimizer_class),
             "__init__": __init__,
-            "parent_class": optimizer_class,
+            "_parent": optimizer_class,
         },
     )
     registered = keras.saving.get_registered_object(f"{_PACKAGE}>{name}")

@@ -102,16 +102,14 @@ def main():
     runs = collections.defaultdict(list)
     with tempfile.TemporaryDirectory() as workdir:
         sides = {
-            "base": _side(
-                workdir, "base", _extract(options.base, workdir)
-            ),
+            "base": _side(workdir, "base", _extract(options.base, workdir)),
             "tree": _side(workdir, "tree", ROOT / "accum_optimizers"),
         }
         command = [sys.executable, "-m", f"benchmarks.{options.module}"]
         for round_index in range(options.rounds):
             for name, side in sides.items():
-                print(f"== {name} ({options.base if name == 'base' else 'tree'}), "
-                      f"round {round_index + 1}", flush=True)
+                label = options.base if name == "base" else "the tree"
+                print(f"== {label}, round {round_index + 1}", flush=True)
                 result = subprocess.run(
                     command + options.args,
                     cwd=side,
@@ -131,12 +129,18 @@ def main():
         if options.relative_to
         else ""
     )
-    print(f"{relative}medians over {options.rounds} rounds; ratio = tree / base")
-    for key, base_numbers in runs["base"][0].items():
+    print(
+        f"{relative}medians over {options.rounds} rounds; ratio = tree / base"
+    )
+    for key in runs["base"][0]:
         if not all(key in rows for rows in runs["base"] + runs["tree"]):
             continue
-        base = [statistics.median(c) for c in zip(*(r[key] for r in runs["base"]))]
-        tree = [statistics.median(c) for c in zip(*(r[key] for r in runs["tree"]))]
+        base = [
+            statistics.median(c) for c in zip(*(r[key] for r in runs["base"]))
+        ]
+        tree = [
+            statistics.median(c) for c in zip(*(r[key] for r in runs["tree"]))
+        ]
         ratios = [t / b if b else float("nan") for t, b in zip(tree, base)]
         print(
             " | ".join(key),
