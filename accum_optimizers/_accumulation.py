@@ -39,12 +39,8 @@ gradient: every call accumulates over all the variables the optimizer was
 built with.
 """
 
-import inspect
-import warnings
-
 import keras
 from keras import backend
-from keras import config as keras_config
 from keras import ops
 
 from accum_optimizers import _args
@@ -52,6 +48,7 @@ from accum_optimizers import _inputs
 from accum_optimizers import _keras_private
 from accum_optimizers import schedules
 from accum_optimizers._backend import BackendAccumulation
+from accum_optimizers._parent_args import bind_parent_arguments
 from accum_optimizers._validation import LOW_PRECISION_DTYPES
 from accum_optimizers._window.close import WindowClose
 from accum_optimizers._window.counts import WindowCounts
@@ -112,71 +109,18 @@ class GradientAccumulation(
         accumulation = _args.checked(
             {name: kwargs.pop(name) for name in _args.NAMES if name in kwargs}
         )
-        accum_iters = accumulation["accum_iters"]
-        schedule = (
-            accum_iters
-            if isinstance(accum_iters, schedules.AccumSchedule)
-            else None
+        arguments = bind_parent_arguments(
+            type(self), args, kwargs, accumulation
         )
-        decay = accumulation["decay"]
-        arguments = self._accum_parent_arguments(
-            args, kwargs, accumulation["lr"]
-        )
-        steps = arguments.arguments.get("gradient_accumulation_steps")
-        if (schedule or accum_iters > 1) and steps:
-            raise ValueError(
-                "Pass either `accum_iters` or Keras' own "
-                "`gradient_accumulation_steps`, not both: together they would "
-                "accumulate twice. Received: "
-                f"accum_iters={accum_iters}, "
-                f"gradient_accumulation_steps={steps!r}"
-            )
-        if decay is not None:
-            warnings.warn(
-                "`decay` is the Keras 2 time decay; in Keras 3 pass "
-                "`learning_rate=keras.optimizers.schedules.InverseTimeDecay("
-                "learning_rate, decay_steps=1, decay_rate=decay)` instead.",
-                DeprecationWarning,
-                stacklevel=2,
-            )
         super().__init__(*arguments.args[1:], **arguments.kwargs)
         self.measure_noise_scale = accumulation["measure_noise_scale"]
         self.noise_scale_momentum = accumulation["noise_scale_momentum"]
-        self.accum_iters = accum_iters
+        self.accum_iters = accumulation["accum_iters"]
         self.skip_nonfinite = accumulation["skip_nonfinite"]
         self.accumulator_dtype = accumulation["accumulator_dtype"]
-        self.decay = decay
+        self.decay = accumulation["decay"]
         # Whether a micro-batch has carried a weight (`_window/step.py`).
         self._accum_counts_weights = False
-
-    def _accum_parent_arguments(self, args, kwargs, lr):
-        """Binds the parent's arguments, so that what the user passed
-        explicitly is known (`lr` with `learning_rate` is refused even when
-        `learning_rate` equals its default)."""
-        signature = inspect.signature(self.parent_class.__init__)
-        try:
-            arguments = signature.bind_partial(None, *args, **kwargs)
-        except TypeError as error:
-            raise TypeError(f"{type(self).__name__}(): {error}") from None
-        explicit = arguments.arguments
-        if lr is not None:
-            warnings.warn(
-                "`lr` is the Keras 2 spelling of `learning_rate`; pass "
-                "`learning_rate` instead.",
-                DeprecationWarning,
-                stacklevel=3,
-            )
-            if "learning_rate" in explicit:
-                raise ValueError(
-                    "Pass either `learning_rate` or its Keras 2 alias `lr`, "
-                    "not both. Received: "
-                    f"learning_rate={explicit['learning_rate']!r}, lr={lr!r}"
-                )
-            explicit["learning_rate"] = lr
-        if explicit.get("epsilon", 0) is None:
-            # Keras 2 spelled "Keras' default epsilon" as `epsilon=None`.
-            explicit["epsilon"] = keras_config.epsilon()
-        return arguments
 
     # -- State -------------------------------------------------------------
 

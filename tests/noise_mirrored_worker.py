@@ -25,24 +25,23 @@ import sys
 from pathlib import Path
 
 import tensorflow as tf
+from mirrored_devices import DEVICES
+from mirrored_devices import REPLICAS
+from mirrored_devices import split_of_global_batches
 
-REPLICAS = 2
-_cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    _cpu, [tf.config.LogicalDeviceConfiguration()] * REPLICAS
-)
+# The CPU is split (above) before anything below starts TensorFlow.
+# isort: split
+import keras
+import numpy as np
+from helpers import regression_data
+from helpers import sample_weights
+from helpers import small_model
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-from helpers import regression_data  # noqa: E402
-from helpers import sample_weights  # noqa: E402
-from helpers import small_model  # noqa: E402
-
-import accum_optimizers  # noqa: E402
-from accum_optimizers import AdamAccumulate  # noqa: E402
-from accum_optimizers import FlushAccumulation  # noqa: E402
-from accum_optimizers import SGDAccumulate  # noqa: E402
-from accum_optimizers import weigh_micro_batches  # noqa: E402
+import accum_optimizers
+from accum_optimizers import AdamAccumulate
+from accum_optimizers import FlushAccumulation
+from accum_optimizers import SGDAccumulate
+from accum_optimizers import weigh_micro_batches
 
 MOMENTUM = 0.5  # noise_scale_momentum: every window counts
 GLOBAL_MICRO = 8  # 4 per replica
@@ -61,7 +60,7 @@ READ_OUTS = (
     "noise_scale",
 )
 # One strategy per process (batchnorm_mirrored_worker.py).
-STRATEGY = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+STRATEGY = tf.distribute.MirroredStrategy(DEVICES)
 
 
 def read_outs(optimizer):
@@ -94,16 +93,6 @@ def share_gradient(model, weights, x, y, sample_weight):
     return weight, [g.numpy().ravel().tolist() for g in grads]
 
 
-def split_of_global_batches(n):
-    """Per global micro-batch, the sample indices each replica gets from
-    `experimental_distribute_dataset`, which `fit` uses."""
-    dataset = tf.data.Dataset.range(n).batch(GLOBAL_MICRO)
-    return [
-        [t.numpy().tolist() for t in STRATEGY.experimental_local_results(b)]
-        for b in STRATEGY.experimental_distribute_dataset(dataset)
-    ]
-
-
 def recorded(measure):
     """`measure()`, or the error it raised, for the test to judge."""
     try:
@@ -130,7 +119,7 @@ def fit_case():
     x, y = regression_data(0, FIT_SAMPLES)
     x[SKIPPED * GLOBAL_MICRO, 0] = np.nan
     sample_weight = sample_weights(0, FIT_SAMPLES)
-    split = split_of_global_batches(FIT_SAMPLES)
+    split = split_of_global_batches(STRATEGY, FIT_SAMPLES, GLOBAL_MICRO)
     with STRATEGY.scope():
         model = small_model(0)
         optimizer = AdamAccumulate(

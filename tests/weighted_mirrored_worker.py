@@ -23,6 +23,7 @@ from pathlib import Path
 
 import tensorflow as tf
 from mirrored_devices import DEVICES
+from mirrored_devices import split_of_global_batches
 
 # The CPU is split (above) before anything below starts TensorFlow.
 # isort: split
@@ -70,16 +71,6 @@ FIT_CASES = {
 }
 
 
-def split_of_global_batches(n):
-    """Per global micro-batch, the sample indices each replica gets from
-    `experimental_distribute_dataset`, which `fit` uses."""
-    dataset = tf.data.Dataset.range(n).batch(GLOBAL_MICRO)
-    return [
-        [t.numpy().tolist() for t in STRATEGY.experimental_local_results(b)]
-        for b in STRATEGY.experimental_distribute_dataset(dataset)
-    ]
-
-
 def per_replica(values):
     """A distributed value holding `values[r]` on replica r."""
     return STRATEGY.experimental_distribute_values_from_function(
@@ -98,7 +89,7 @@ def recorded(measure):
 def fit_case(name):
     case = FIT_CASES[name]
     x, _, sample_weight = case.data()
-    split = split_of_global_batches(case.samples)
+    split = split_of_global_batches(STRATEGY, case.samples, GLOBAL_MICRO)
     ours_cls, kwargs = OPTIMIZERS[
         "adam" if case.kind == "dense" else "sgd_momentum"
     ]
