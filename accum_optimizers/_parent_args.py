@@ -28,14 +28,21 @@ def bind_parent_arguments(optimizer_class, args, kwargs, accumulation):
         arguments = signature.bind_partial(None, *args, **kwargs)
     except TypeError as error:
         raise TypeError(f"{optimizer_class.__name__}(): {error}") from None
-    explicit = arguments.arguments
+    _translate_keras2(arguments.arguments, accumulation)
+    _refuse_accumulating_twice(arguments.arguments, accumulation)
+    return arguments
+
+
+def _translate_keras2(explicit, accumulation):
+    """Keras 2's `lr` and `epsilon=None` into `explicit` (the arguments
+    passed, by name), with a warning for `lr` and `decay`."""
     lr = accumulation["lr"]
     if lr is not None:
         warnings.warn(
             "`lr` is the Keras 2 spelling of `learning_rate`; pass "
             "`learning_rate` instead.",
             DeprecationWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
         if "learning_rate" in explicit:
             raise ValueError(
@@ -53,8 +60,12 @@ def bind_parent_arguments(optimizer_class, args, kwargs, accumulation):
             "`learning_rate=keras.optimizers.schedules.InverseTimeDecay("
             "learning_rate, decay_steps=1, decay_rate=decay)` instead.",
             DeprecationWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
+
+
+def _refuse_accumulating_twice(explicit, accumulation):
+    """Refuses Keras' own `gradient_accumulation_steps` beside windows."""
     accum_iters = accumulation["accum_iters"]
     steps = explicit.get("gradient_accumulation_steps")
     windows = isinstance(accum_iters, schedules.AccumSchedule) or (
@@ -68,4 +79,3 @@ def bind_parent_arguments(optimizer_class, args, kwargs, accumulation):
             f"accum_iters={accum_iters}, "
             f"gradient_accumulation_steps={steps!r}"
         )
-    return arguments
