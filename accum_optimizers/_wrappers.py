@@ -59,41 +59,60 @@ def _install_loss_scale():
     cls = keras.optimizers.LossScaleOptimizer
     if cls in _PATCHED:
         return
-    load_own_variables, build = cls.load_own_variables, cls.build
-    apply, stateless_apply = cls.apply, cls.stateless_apply
-    scale_loss = cls.scale_loss
+    cls.apply = _weighing(cls.apply)
+    cls.stateless_apply = _weighing(cls.stateless_apply)
+    cls.scale_loss = _noting_scale_loss(cls.scale_loss)
+    cls.load_own_variables = _deferring_load(cls.load_own_variables)
+    cls.build = _restoring_build(cls.build)
+    _PATCHED.add(cls)
 
-    def weighing(method):
-        def weighed(self, *args, weight=None, loss=None, **kwargs):
-            if weight is None and loss is None:
-                return method(self, *args, **kwargs)
-            inner = self.inner_optimizer
-            if not _accumulates(inner):
-                raise TypeError(
-                    f"LossScaleOptimizer.{method.__name__}() takes `weight` "
-                    "and `loss` only around an accumulating optimizer. "
-                    f"Received: inner_optimizer={inner!r}"
-                )
-            if weight is not None:
-                _inputs.hand_over(inner, _inputs.Handoff(weight, check=True))
-            if loss is not None:
-                _inputs.put_loss(inner, loss)
-            try:
-                return method(self, *args, **kwargs)
-            finally:
-                # Left over when the step was skipped (gradients not
-                # finite) or raised before the inner optimizer's `apply`.
-                _inputs.discard(inner)
 
-        weighed.__name__ = method.__name__
-        weighed.__doc__ = method.__doc__
-        return weighed
+def _weighing(method):
+    """`LossScaleOptimizer.apply` (or `stateless_apply`) that takes `weight`
+    and `loss` for an accumulating inner optimizer."""
+
+    def weighed(self, *args, weight=None, loss=None, **kwargs):
+        if weight is None and loss is None:
+            return method(self, *args, **kwargs)
+        inner = self.inner_optimizer
+        if not _accumulates(inner):
+            raise TypeError(
+                f"LossScaleOptimizer.{method.__name__}() takes `weight` "
+                "and `loss` only around an accumulating optimizer. "
+                f"Received: inner_optimizer={inner!r}"
+            )
+        if weight is not None:
+            _inputs.hand_over(inner, _inputs.Handoff(weight, check=True))
+        if loss is not None:
+            _inputs.put_loss(inner, loss)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            # Left over when the step was skipped (gradients not
+            # finite) or raised before the inner optimizer's `apply`.
+            _inputs.discard(inner)
+
+    weighed.__name__ = method.__name__
+    weighed.__doc__ = method.__doc__
+    return weighed
+
+
+def _deferring_load(load_own_variables):
+    """`load_own_variables` that keeps an unbuilt loss scale's saved state
+    for `build` (`_restoring_build`) around an accumulating optimizer."""
 
     def deferring_load_own_variables(self, store):
         if self.built or not _accumulates(self.inner_optimizer):
             return load_own_variables(self, store)
         values = [np.array(store[str(i)]) for i in range(len(store.keys()))]
         _PENDING_SCALE_STATE[self] = tuple(values)
+
+    return deferring_load_own_variables
+
+
+def _restoring_build(build):
+    """`build` that restores the loss scale's state `_deferring_load`
+    kept."""
 
     def restoring_build(self, var_list):
         pending = _PENDING_SCALE_STATE.pop(self, None)
@@ -122,6 +141,13 @@ def _install_loss_scale():
             for variable, value in zip(own, saved):
                 variable.assign(value)
 
+    return restoring_build
+
+
+def _noting_scale_loss(scale_loss):
+    """`scale_loss` that notes the loss for an accumulating inner
+    optimizer's `window_loss`."""
+
     def noting_scale_loss(self, loss):
         # `fit` hands the loss to the optimizer it compiled with: the
         # inner optimizer's `window_loss` needs it too.
@@ -129,12 +155,7 @@ def _install_loss_scale():
             self.inner_optimizer._accum_note_loss(loss)
         return scale_loss(self, loss)
 
-    cls.apply = weighing(apply)
-    cls.scale_loss = noting_scale_loss
-    cls.stateless_apply = weighing(stateless_apply)
-    cls.load_own_variables = deferring_load_own_variables
-    cls.build = restoring_build
-    _PATCHED.add(cls)
+    return noting_scale_loss
 
 
 def _install_multi_optimizer():
