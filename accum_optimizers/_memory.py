@@ -1,16 +1,21 @@
-"""Device memory for `fit_to_memory`: each backend's out-of-memory error,
-what a failed step leaves to free, and a train step's peak (XLA's memory
-analysis of the compiled step on JAX, the allocator's peak on a GPU)."""
+"""Device memory for `fit_to_memory`: the memory limit, what a failed step
+leaves to free, and a train step's peak (XLA's memory analysis of the
+compiled step on JAX, the allocator's peak on a GPU), from the backend's
+functions in `_backend/`."""
 
 import gc
 import re
 
-import keras
 import numpy as np
-from keras import backend
 from keras import ops
 
 from accum_optimizers import _keras_private
+from accum_optimizers._backend import SUPPORTS_MEMORY_ANALYSIS
+from accum_optimizers._backend import allocator_peak
+from accum_optimizers._backend import compiled_peak
+from accum_optimizers._backend import free_device_memory
+from accum_optimizers._backend import is_out_of_memory
+from accum_optimizers._backend import reset_allocator_peak
 from accum_optimizers._window.counts import regroup_window
 
 _UNITS = {
@@ -57,42 +62,16 @@ def format_bytes(count):
     return f"{count} B"
 
 
-def is_out_of_memory(error):
-    """Whether `error` is the backend's out-of-memory error: TensorFlow's
-    `ResourceExhaustedError`, a JAX runtime error with status
-    `RESOURCE_EXHAUSTED`, or torch's `OutOfMemoryError`."""
-    name = backend.backend()
-    if name == "tensorflow":
-        import tensorflow as tf
-
-        return isinstance(error, tf.errors.ResourceExhaustedError)
-    if name == "jax":
-        import jax
-
-        return isinstance(error, jax.errors.JaxRuntimeError) and (
-            "RESOURCE_EXHAUSTED" in str(error)
-        )
-    if name == "torch":
-        import torch
-
-        return isinstance(error, torch.OutOfMemoryError)
-    return False
-
-
 def free_memory(model):
     """Drops what a failed step held: its traced functions and the
-    allocator's cached blocks."""
+    device's cached memory.
+
+    Args:
+        model: the `keras.Model` whose step failed.
+    """
     model.train_function = None
     gc.collect()
-    if backend.backend() == "jax":
-        import jax
-
-        jax.clear_caches()
-    elif backend.backend() == "torch":
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    free_device_memory()
 
 
 def _state_variables(model):
@@ -112,11 +91,11 @@ def probe(model, optimizers, batch):
     for optimizer in optimizers:
         if optimizer._accumulates:
             regroup_window(optimizer, optimizer.accum_iters - 1)
-    _reset_peak()
+    reset_allocator_peak()
     fits = True
     try:
         model.train_on_batch(*batch)
-        peak = _allocator_peak()
+        peak = allocator_peak()
     except Exception as error:
         if not is_out_of_memory(error):
             raise
@@ -127,79 +106,8 @@ def probe(model, optimizers, batch):
         _keras_private.forget_jax_state(model)
     if not fits:
         free_memory(model)
-    elif backend.backend() == "jax":
+    elif SUPPORTS_MEMORY_ANALYSIS:
+        # XLA's analysis of the step as `fit` compiles it; JAX's allocator
+        # reports no peak.
         peak = compiled_peak(model, batch)
     return fits, peak
-
-
-def _gpu():
-    if backend.backend() == "torch":
-        import torch
-
-        return torch.cuda.is_available()
-    if backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        return bool(tf.config.list_logical_devices("GPU"))
-    return False
-
-
-def _reset_peak():
-    if not _gpu():
-        return
-    if backend.backend() == "torch":
-        import torch
-
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        import tensorflow as tf
-
-        tf.config.experimental.reset_memory_stats("GPU:0")
-
-
-def _allocator_peak():
-    """The allocator's peak since `_reset_peak` on a GPU, else `None`."""
-    if not _gpu():
-        return None
-    if backend.backend() == "torch":
-        import torch
-
-        torch.cuda.synchronize()
-        return int(torch.cuda.max_memory_allocated())
-    import tensorflow as tf
-
-    return int(tf.config.experimental.get_memory_info("GPU:0")["peak"])
-
-
-def compiled_peak(model, batch):
-    """Peak bytes of Keras' JAX train step on `batch`'s shapes, compiled as
-    `fit` compiles it (state donated), from XLA's memory analysis:
-    arguments + outputs - aliased + temporaries. Nothing runs."""
-    import jax
-
-    state = tuple(
-        [v.value for v in variables]
-        for variables in (
-            model.trainable_variables,
-            model.non_trainable_variables,
-            model.optimizer.variables,
-            model.metrics_variables,
-        )
-    )
-    shapes = keras.tree.map_structure(
-        lambda leaf: (
-            None
-            if leaf is None
-            else jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-        ),
-        batch,
-    )
-    step = jax.jit(model.train_step, donate_argnums=0)
-    analysis = step.lower(state, shapes).compile().memory_analysis()
-    return int(
-        analysis.argument_size_in_bytes
-        + analysis.output_size_in_bytes
-        - analysis.alias_size_in_bytes
-        + analysis.temp_size_in_bytes
-    )

@@ -9,8 +9,9 @@ from keras import ops
 
 from accum_optimizers import _keras_private
 from accum_optimizers import schedules
+from accum_optimizers._backend import SUPPORTS_MEMORY_ANALYSIS
+from accum_optimizers._backend import compiled_peak
 from accum_optimizers._inner import accumulating_optimizers
-from accum_optimizers._memory import compiled_peak
 from accum_optimizers._memory import format_bytes
 from accum_optimizers._memory import memory_limit_bytes
 from accum_optimizers._memory import probe
@@ -133,7 +134,7 @@ def plan_micro_batch(
                 f"Received: micro_batch_size={micro_batch_size}, "
                 f"target_batch_size={target}"
             )
-    if limit is not None and backend.backend() != "jax":
+    if limit is not None and not SUPPORTS_MEMORY_ANALYSIS:
         raise ValueError(
             "`memory_limit` plans from the compiled train step's memory "
             "analysis, which only JAX offers without running the step. On "
@@ -148,9 +149,8 @@ def plan_micro_batch(
     weigh_micro_batches(model)
     if micro_batch_size is not None:
         set_window(model, optimizers, target, micro_batch_size)
-        peak = None
-        if backend.backend() == "jax":
-            peak = compiled_peak(model, head(data, micro_batch_size))
+        # `None` where the backend has no memory analysis (`_backend/`).
+        peak = compiled_peak(model, head(data, micro_batch_size))
         return MicroBatchPlan(target, micro_batch_size, peak, limit)
 
     if limit is not None:

@@ -3,11 +3,12 @@ training is (`Tracker`), whether the failed step can be retried exactly,
 and the pending window re-cut at the new micro-batch."""
 
 import keras
-from keras import backend
 from keras import ops
 
 from accum_optimizers import _keras_private
-from accum_optimizers._memory import is_out_of_memory
+from accum_optimizers._backend import COUNTS_ITERATIONS_BEFORE_UPDATE
+from accum_optimizers._backend import FAILED_STEP_WRITES_NO_STATE
+from accum_optimizers._backend import is_out_of_memory
 from accum_optimizers._window.counts import regroup_window
 
 
@@ -82,17 +83,17 @@ class Tracker(keras.callbacks.Callback):
         self.in_step = True
         model = self.model
         self.iterations = None
-        if backend.backend() == "tensorflow" and not all(
+        if COUNTS_ITERATIONS_BEFORE_UPDATE and not all(
             optimizer._accumulates for optimizer in self._optimizers
         ):
-            # The parent optimizer's graph adds 1 to `iterations` without
-            # waiting for the step's gradients: a step that fails may have
-            # counted an update it did not apply.
+            # The parent optimizer (on TensorFlow) adds 1 to `iterations`
+            # without waiting for the step's gradients: a step that fails
+            # may have counted an update it did not apply.
             self.iterations = [
                 int(ops.convert_to_numpy(optimizer.iterations))
                 for optimizer in self._optimizers
             ]
-        if backend.backend() == "jax":
+        if FAILED_STEP_WRITES_NO_STATE:
             if _keras_private.jax_fit_takes_state_from_variables(model):
                 # If the step fails, `fit` puts back a state it holds: an
                 # older one (a probe's, or the epoch's before its flush) or

@@ -37,6 +37,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 from accum_optimizers import AdamAccumulate  # noqa: E402
+from accum_optimizers._backend import quiet_python_logger  # noqa: E402
 from accum_optimizers._demo_cli import DIGITS  # noqa: E402
 from accum_optimizers._demo_cli import TRAIN_IMAGES  # noqa: E402
 from accum_optimizers._demo_cli import parse_args  # noqa: E402
@@ -339,10 +340,7 @@ def _quiet_python_logs() -> None:
     except ImportError:  # no TensorFlow installed
         return
     absl_logging.set_verbosity(absl_logging.ERROR)
-    if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        tf.get_logger().setLevel("ERROR")
+    quiet_python_logger()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> list:

@@ -16,6 +16,8 @@ the backward pass; the close only waits for it.
 
 import keras
 
+from accum_optimizers._backend import NEEDS_WINDOW_SYNC
+
 # DDP's default bucket size (`bucket_cap_mb`).
 DEFAULT_BUCKET_CAP_MB = 25
 
@@ -75,7 +77,7 @@ def sync_windows(
     Returns:
         `optimizer`.
     """
-    if keras.backend.backend() != "torch":
+    if not NEEDS_WINDOW_SYNC:
         raise ValueError(
             "sync_windows() needs the torch backend; got "
             f"KERAS_BACKEND={keras.backend.backend()!r}. TensorFlow and JAX "

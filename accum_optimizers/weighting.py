@@ -23,6 +23,8 @@ from keras import ops
 
 from accum_optimizers import _inputs
 from accum_optimizers import _keras_private
+from accum_optimizers._backend import COMPILER_RETRACES_EACH_HAND_OVER
+from accum_optimizers._backend import asserted_normalizer
 from accum_optimizers._inner import accumulating_optimizers
 from accum_optimizers._inner import count_updates_in_multi_optimizer
 from accum_optimizers._validation import concrete_value
@@ -131,7 +133,7 @@ def weighs_micro_batches(model):
 def _refuse_torch_compile(model):
     """torch's compiler (`jit_compile=True`) recompiles the train step for
     every micro-batch's hand-over, up to its recompile limit."""
-    if keras.backend.backend() == "torch" and getattr(
+    if COMPILER_RETRACES_EACH_HAND_OVER and getattr(
         model, "jit_compile", False
     ):
         raise ValueError(
@@ -171,24 +173,12 @@ def _checked_normalizer(weight, skips=False):
         if not (np.isfinite(value) and value >= 0):
             raise ValueError(f"{message} Received: normalizer={value!r}")
         return weight, None, False
-    if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        valid = tf.math.is_finite(weight) & (weight >= 0)
-        if not _keras_private.in_xla_context():
-            allowed = valid | (skips & ~tf.math.is_finite(weight))
-            check = tf.debugging.Assert(
-                allowed, [f"{message} Received: normalizer=", weight]
-            )
-            with tf.control_dependencies([check]):
-                weight = tf.identity(weight)
-            if skips:
-                weight = tf.where(valid, weight, float("nan"))
-            return weight, lambda: tf.control_dependencies([check]), skips
-    else:
-        valid = ops.logical_and(
-            ops.isfinite(weight), ops.greater_equal(weight, 0.0)
-        )
+    asserted = asserted_normalizer(weight, skips, message)
+    if asserted is not None:
+        return asserted
+    valid = ops.logical_and(
+        ops.isfinite(weight), ops.greater_equal(weight, 0.0)
+    )
     return ops.where(valid, weight, float("nan")), None, True
 
 

@@ -31,7 +31,7 @@ def runtime_error():
 
 def out_of_memory_error():
     """What each backend raises when a step runs out of memory (see
-    `accum_optimizers._memory.is_out_of_memory`)."""
+    `accum_optimizers._backend.is_out_of_memory`)."""
     text = f"RESOURCE_EXHAUSTED: Out of memory ({MESSAGE})"
     if BACKEND == "tensorflow":
         # `tf.py_function` turns a `MemoryError` into TensorFlow's

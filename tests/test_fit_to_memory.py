@@ -25,7 +25,7 @@ from accum_optimizers import AdamAccumulate
 from accum_optimizers import MicroBatchPlan
 from accum_optimizers import fit_to_memory
 from accum_optimizers import plan_micro_batch
-from accum_optimizers._memory import is_out_of_memory
+from accum_optimizers._backend import is_out_of_memory
 
 BACKEND = keras.backend.backend()
 

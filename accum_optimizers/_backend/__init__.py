@@ -1,18 +1,24 @@
 """The backend's accumulation class, chosen once at import as Keras chooses
-its backend optimizer class (`keras/src/optimizers/optimizer.py`), and its
-`outside_compiled_code` context for the wrappers' own variables."""
+its backend optimizer class (`keras/src/optimizers/optimizer.py`), its
+`outside_compiled_code` context for the wrappers' own variables, and what
+the rest of the package asks of the backend (device memory, random state,
+what a failed step leaves), chosen once alike: the modules outside
+`_backend/` call these and name no backend."""
 
 from keras import backend
 
 if backend.backend() == "tensorflow":
+    from accum_optimizers._backend import tensorflow as _chosen
     from accum_optimizers._backend.tensorflow import (
         TFAccumulation as BackendAccumulation,
     )
 elif backend.backend() == "jax":
+    from accum_optimizers._backend import jax as _chosen
     from accum_optimizers._backend.jax import (
         JaxAccumulation as BackendAccumulation,
     )
 elif backend.backend() == "torch":
+    from accum_optimizers._backend import torch as _chosen
     from accum_optimizers._backend.torch import (
         TorchAccumulation as BackendAccumulation,
     )
@@ -27,4 +33,39 @@ else:
 # optimizer's (a `LossScaleOptimizer`'s loss scale, restored in `build`).
 outside_compiled_code = BackendAccumulation._accum_outside_compiled_code
 
-__all__ = ["BackendAccumulation", "outside_compiled_code"]
+# Each is documented in every backend module, which defines them all.
+SUPPORTS_MEMORY_ANALYSIS = _chosen.SUPPORTS_MEMORY_ANALYSIS
+COUNTS_ITERATIONS_BEFORE_UPDATE = _chosen.COUNTS_ITERATIONS_BEFORE_UPDATE
+FAILED_STEP_WRITES_NO_STATE = _chosen.FAILED_STEP_WRITES_NO_STATE
+COMPILER_RETRACES_EACH_HAND_OVER = _chosen.COMPILER_RETRACES_EACH_HAND_OVER
+EMBEDDING_GRADIENTS_ARE_SPARSE = _chosen.EMBEDDING_GRADIENTS_ARE_SPARSE
+NEEDS_WINDOW_SYNC = _chosen.NEEDS_WINDOW_SYNC
+is_out_of_memory = _chosen.is_out_of_memory
+free_device_memory = _chosen.free_device_memory
+reset_allocator_peak = _chosen.reset_allocator_peak
+allocator_peak = _chosen.allocator_peak
+compiled_peak = _chosen.compiled_peak
+asserted_normalizer = _chosen.asserted_normalizer
+random_state = _chosen.random_state
+set_random_state = _chosen.set_random_state
+quiet_python_logger = _chosen.quiet_python_logger
+
+__all__ = [
+    "BackendAccumulation",
+    "COMPILER_RETRACES_EACH_HAND_OVER",
+    "COUNTS_ITERATIONS_BEFORE_UPDATE",
+    "EMBEDDING_GRADIENTS_ARE_SPARSE",
+    "FAILED_STEP_WRITES_NO_STATE",
+    "NEEDS_WINDOW_SYNC",
+    "SUPPORTS_MEMORY_ANALYSIS",
+    "allocator_peak",
+    "asserted_normalizer",
+    "compiled_peak",
+    "free_device_memory",
+    "is_out_of_memory",
+    "outside_compiled_code",
+    "quiet_python_logger",
+    "random_state",
+    "reset_allocator_peak",
+    "set_random_state",
+]

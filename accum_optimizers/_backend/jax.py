@@ -13,6 +13,7 @@ import contextlib
 
 import jax
 import jax.numpy as jnp
+import keras
 from keras import StatelessScope
 
 from accum_optimizers import _keras_private
@@ -68,3 +69,120 @@ class JaxAccumulation(Accumulation):
         for total, mean in zip(sums, means):
             total.assign(mean)
         return [total.value for total in sums]
+
+
+# What the rest of the package asks of the backend, outside the window
+# (the same names in every backend module; `_backend/__init__.py` exports
+# the chosen backend's).
+
+# XLA's memory analysis gives a step's peak without running it
+# (`compiled_peak`).
+SUPPORTS_MEMORY_ANALYSIS = True
+
+# `iterations` changes with the rest of the step's state.
+COUNTS_ITERATIONS_BEFORE_UPDATE = False
+
+# A compiled step returns its whole new state or raises: a step that fails
+# wrote none of it.
+FAILED_STEP_WRITES_NO_STATE = True
+
+# torch's compiler alone retraces per micro-batch (`weigh_micro_batches`).
+COMPILER_RETRACES_EACH_HAND_OVER = False
+
+# Gradients are dense arrays.
+EMBEDDING_GRADIENTS_ARE_SPARSE = False
+
+# `jax.distribution` reduces once per window on its own.
+NEEDS_WINDOW_SYNC = False
+
+
+def is_out_of_memory(error):
+    """Whether `error` is a JAX runtime error with status
+    `RESOURCE_EXHAUSTED`.
+
+    Args:
+        error: an exception.
+    """
+    return isinstance(error, jax.errors.JaxRuntimeError) and (
+        "RESOURCE_EXHAUSTED" in str(error)
+    )
+
+
+def free_device_memory():
+    """Frees the device memory a failed step held: JAX's compiled
+    functions and what they cache."""
+    jax.clear_caches()
+
+
+def reset_allocator_peak():
+    """Nothing: JAX's peak is `compiled_peak`'s, not the allocator's."""
+
+
+def allocator_peak():
+    """`None`: JAX's peak is `compiled_peak`'s, not the allocator's."""
+    return None
+
+
+def compiled_peak(model, batch):
+    """Peak bytes of Keras' JAX train step on `batch`'s shapes, compiled as
+    `fit` compiles it (state donated), from XLA's memory analysis:
+    arguments + outputs - aliased + temporaries. Nothing runs.
+
+    Args:
+        model: a compiled `keras.Model`.
+        batch: the train step's data: a structure of arrays (or `None`).
+    """
+    state = tuple(
+        [v.value for v in variables]
+        for variables in (
+            model.trainable_variables,
+            model.non_trainable_variables,
+            model.optimizer.variables,
+            model.metrics_variables,
+        )
+    )
+    shapes = keras.tree.map_structure(
+        lambda leaf: (
+            None
+            if leaf is None
+            else jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+        ),
+        batch,
+    )
+    step = jax.jit(model.train_step, donate_argnums=0)
+    analysis = step.lower(state, shapes).compile().memory_analysis()
+    return int(
+        analysis.argument_size_in_bytes
+        + analysis.output_size_in_bytes
+        - analysis.alias_size_in_bytes
+        + analysis.temp_size_in_bytes
+    )
+
+
+def asserted_normalizer(weight, skips, message):
+    """`None`: compiled code cannot fail, so `weigh_micro_batches` makes an
+    invalid weight NaN instead of asserting.
+
+    Args:
+        weight: the micro-batch's traced loss normalizer.
+        skips: whether a non-finite `weight` marks a micro-batch to skip.
+        message: the assertion's message.
+    """
+    return None
+
+
+def random_state():
+    """The backend's own global random state beside Keras': `None`."""
+    return None
+
+
+def set_random_state(state):
+    """Puts back `random_state()`'s state: there is none.
+
+    Args:
+        state: what `random_state()` returned.
+    """
+
+
+def quiet_python_logger():
+    """Nothing: only TensorFlow's Python logger is quieted."""

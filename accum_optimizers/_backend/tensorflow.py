@@ -318,3 +318,113 @@ def _run_at_most_once(pred, fn):
         [tf.constant(0)],
         maximum_iterations=1,
     )
+
+
+# What the rest of the package asks of the backend, outside the window
+# (the same names in every backend module; `_backend/__init__.py` exports
+# the chosen backend's).
+
+# XLA's memory analysis of a step is JAX's alone (`compiled_peak`).
+SUPPORTS_MEMORY_ANALYSIS = False
+
+# The parent optimizer's graph adds 1 to `iterations` without waiting for
+# the step's gradients: a step that fails may have counted an update it
+# did not apply.
+COUNTS_ITERATIONS_BEFORE_UPDATE = True
+
+# A step that fails may have written part of its state.
+FAILED_STEP_WRITES_NO_STATE = False
+
+# torch's compiler alone retraces per micro-batch (`weigh_micro_batches`).
+COMPILER_RETRACES_EACH_HAND_OVER = False
+
+# An Embedding's gradient is an `IndexedSlices`, which Keras' optimizers
+# apply per row (`check_exactness`' diagnosis).
+EMBEDDING_GRADIENTS_ARE_SPARSE = True
+
+# tf.distribute reduces once per window on its own.
+NEEDS_WINDOW_SYNC = False
+
+
+def is_out_of_memory(error):
+    """Whether `error` is TensorFlow's `ResourceExhaustedError`.
+
+    Args:
+        error: an exception.
+    """
+    return isinstance(error, tf.errors.ResourceExhaustedError)
+
+
+def free_device_memory():
+    """Frees the device memory a failed step held: TensorFlow's allocator
+    keeps its blocks."""
+
+
+def _gpu():
+    return bool(tf.config.list_logical_devices("GPU"))
+
+
+def reset_allocator_peak():
+    """Restarts the first GPU's peak allocation, if there is a GPU."""
+    if _gpu():
+        tf.config.experimental.reset_memory_stats("GPU:0")
+
+
+def allocator_peak():
+    """The first GPU's peak allocation in bytes since
+    `reset_allocator_peak`, or `None` without a GPU."""
+    if not _gpu():
+        return None
+    return int(tf.config.experimental.get_memory_info("GPU:0")["peak"])
+
+
+def compiled_peak(model, batch):
+    """`None`: TensorFlow reports no memory of a step it has not run.
+
+    Args:
+        model: a compiled `keras.Model`.
+        batch: the train step's data.
+    """
+    return None
+
+
+def asserted_normalizer(weight, skips, message):
+    """`(weight, checked, poisoned)` for `weigh_micro_batches`: a graph
+    assertion that `weight` is finite and >= 0 (or, with `skips`, not
+    finite), or `None` where the graph cannot fail (under XLA).
+
+    Args:
+        weight: the micro-batch's traced loss normalizer.
+        skips: whether a non-finite `weight` marks a micro-batch to skip.
+        message: the assertion's message.
+    """
+    if _keras_private.in_xla_context():
+        return None
+    valid = tf.math.is_finite(weight) & (weight >= 0)
+    allowed = valid | (skips & ~tf.math.is_finite(weight))
+    check = tf.debugging.Assert(
+        allowed, [f"{message} Received: normalizer=", weight]
+    )
+    with tf.control_dependencies([check]):
+        weight = tf.identity(weight)
+    if skips:
+        weight = tf.where(valid, weight, float("nan"))
+    return weight, lambda: tf.control_dependencies([check]), skips
+
+
+def random_state():
+    """The backend's own global random state beside Keras': `None`."""
+    return None
+
+
+def set_random_state(state):
+    """Puts back `random_state()`'s state: there is none.
+
+    Args:
+        state: what `random_state()` returned.
+    """
+
+
+def quiet_python_logger():
+    """Only errors from TensorFlow's Python logger."""
+    tf.get_logger().setLevel("ERROR")

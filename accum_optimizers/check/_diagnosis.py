@@ -11,6 +11,7 @@ import keras
 import numpy as np
 
 from accum_optimizers import _keras_private
+from accum_optimizers._backend import EMBEDDING_GRADIENTS_ARE_SPARSE
 from accum_optimizers.callbacks import AccumulationLogger
 from accum_optimizers.callbacks import FlushAccumulation
 from accum_optimizers.check._report import Cause
@@ -205,7 +206,7 @@ def _reduction_name(reduction):
 
 
 def _sparse_embedding(setup):
-    if keras.backend.backend() != "tensorflow":
+    if not EMBEDDING_GRADIENTS_ARE_SPARSE:
         return None
     layers = [
         layer

@@ -11,6 +11,8 @@ import numpy as np
 
 from accum_optimizers import _args
 from accum_optimizers import _keras_private
+from accum_optimizers._backend import random_state
+from accum_optimizers._backend import set_random_state
 from accum_optimizers.layers import AccumBatchNormalization
 from accum_optimizers.weighting import weigh_micro_batches
 from accum_optimizers.weighting import weighs_micro_batches
@@ -238,22 +240,16 @@ def reordered_within(big_batch, samples, seed):
 @contextlib.contextmanager
 def global_random_state_kept():
     """Puts back the random states a run draws from: Python's, numpy's,
-    Keras' global seed generator's and, on torch, torch's."""
+    Keras' global seed generator's and the backend's own (torch's)."""
     python_state = random.getstate()
     numpy_state = np.random.get_state()
     keras_state = _keras_private.global_seed_generator_state()
-    torch_state = None
-    if keras.backend.backend() == "torch":
-        import torch
-
-        torch_state = torch.random.get_rng_state()
+    backend_state = random_state()
     try:
         yield
     finally:
         random.setstate(python_state)
         np.random.set_state(numpy_state)
         _keras_private.restore_global_seed_generator(keras_state)
-        if torch_state is not None:
-            import torch
-
-            torch.random.set_rng_state(torch_state)
+        if backend_state is not None:
+            set_random_state(backend_state)
