@@ -8,17 +8,17 @@ what a failed step leaves), chosen once alike: the modules outside
 from keras import backend
 
 if backend.backend() == "tensorflow":
-    from accum_optimizers._backend import tensorflow as _chosen
+    from accum_optimizers._backend import tensorflow_runtime as _chosen
     from accum_optimizers._backend.tensorflow import (
         TFAccumulation as BackendAccumulation,
     )
 elif backend.backend() == "jax":
-    from accum_optimizers._backend import jax as _chosen
+    from accum_optimizers._backend import jax_runtime as _chosen
     from accum_optimizers._backend.jax import (
         JaxAccumulation as BackendAccumulation,
     )
 elif backend.backend() == "torch":
-    from accum_optimizers._backend import torch as _chosen
+    from accum_optimizers._backend import torch_runtime as _chosen
     from accum_optimizers._backend.torch import (
         TorchAccumulation as BackendAccumulation,
     )
@@ -33,7 +33,7 @@ else:
 # optimizer's (a `LossScaleOptimizer`'s loss scale, restored in `build`).
 outside_compiled_code = BackendAccumulation._accum_outside_compiled_code
 
-# Each is documented in every backend module, which defines them all.
+# Each is documented in every `*_runtime.py`, which defines them all.
 SUPPORTS_MEMORY_ANALYSIS = _chosen.SUPPORTS_MEMORY_ANALYSIS
 COUNTS_ITERATIONS_BEFORE_UPDATE = _chosen.COUNTS_ITERATIONS_BEFORE_UPDATE
 FAILED_STEP_WRITES_NO_STATE = _chosen.FAILED_STEP_WRITES_NO_STATE
