@@ -321,32 +321,65 @@ def weighted_overlap(rank, x, y):
     return results
 
 
-def missing_gradients(rank, x, y, overlap):
-    """A two-headed model whose head `b` gets no gradient on each window's
-    last micro-step (its bucket waits for the close), weighted windows,
-    one bucket per variable; at the close or with the overlap (keys
-    `missing_{way}_*`, to be equal bit for bit)."""
+MISSING_WINDOWS = 3
+
+
+def reaches_head_b(rank, step):
+    """Whether rank `rank`'s micro-step `step` of `missing_gradients` has
+    head `b` in its loss. Window 1: all but rank 0's last micro-step (the
+    ranks' closing calls differ in their `None`s); window 2: rank 1's first
+    micro-step alone (rank 0 never reaches it); window 3: none (the head
+    is left alone, Adam's momentum included)."""
+    window, micro_step = divmod(step, K)
+    if window == 0:
+        return rank == 1 or micro_step != K - 1
+    if window == 1:
+        return rank == 1 and micro_step == 0
+    return False
+
+
+def missing_rows(x, y, step, rank):
+    """The rows of `missing_gradients`' micro-step `step` on `rank`."""
+    return rows(x, y, step * GLOBAL_MICRO % N, rank)
+
+
+def two_heads(features):
+    """The two-headed model of `missing_gradients`, seeded."""
     keras.utils.set_random_seed(0)
-    inputs = keras.Input((x.shape[1],))
+    inputs = keras.Input((features,))
     heads = [keras.layers.Dense(2, name=name)(inputs) for name in "ab"]
-    model = keras.Model(inputs, heads)
+    return keras.Model(inputs, heads)
+
+
+def two_heads_loss(model, xb, with_b):
+    out_a, out_b = model(xb)
+    loss = torch.mean(torch.square(out_a))
+    if with_b:
+        loss = loss + torch.mean(torch.square(out_b))
+    return loss
+
+
+def missing_gradients(rank, x, y, overlap):
+    """A two-headed model whose head `b` the ranks reach in different
+    micro-steps (`reaches_head_b`), weighted windows, one bucket per
+    variable; at the close or with the overlap (keys `missing_{way}_*`)."""
+    model = two_heads(x.shape[1])
     optimizer = sync_windows(
         AdamAccumulate(learning_rate=0.01, accum_iters=K),
         model=model if overlap else None,
         bucket_cap_mb=1e-6,
     )
-    for step in range(WINDOWS * K):
-        xb, _ = rows(x, y, step * GLOBAL_MICRO, rank)
-        out_a, out_b = model(xb)
-        loss = torch.mean(torch.square(out_a))
-        if step % K != K - 1:
-            loss = loss + torch.mean(torch.square(out_b))
+    for step in range(MISSING_WINDOWS * K):
+        xb, _ = missing_rows(x, y, step, rank)
+        loss = two_heads_loss(model, xb, reaches_head_b(rank, step))
         if overlap:
             weigh_next_backward(optimizer, 2.0 + rank)
         loss.backward()
         apply_grads(model, optimizer, weight=2.0 + rank)
     way = "overlap" if overlap else "windows"
-    return weights(f"missing_{way}", model)
+    results = weights(f"missing_{way}", model)
+    results[f"missing_{way}_iterations"] = int(optimizer.iterations)
+    return results
 
 
 def noise_gradients(rank, step):

@@ -263,7 +263,7 @@ def assert_all_close(actual, expected, *, rtol, atol, what="value"):
 
 
 def parent_on_window_means(
-    parent, variables, windows, weights=None, updated="last"
+    parent, variables, windows, weights=None, updated="any"
 ):
     """The oracle of custom loops: `parent`, a plain Keras optimizer on its
     own copy of the variables, applies each window's (weighted) mean
@@ -277,19 +277,16 @@ def parent_on_window_means(
             per variable. A `None` counts as zero in the window's mean.
         weights: for each window, the micro-steps' weights (`None` counts
             1); `None`: every micro-step weighs 1.
-        updated: which variables a window updates. `"last"`: those with a
-            gradient in the window's last micro-step (a window closed by
-            its `accum_iters`-th call: Keras updates the variables it is
-            given); `"any"`: those with a gradient in any micro-step (a
-            window applied by `flush()`); or a list of variable indices.
+        updated: which variables a window updates. `"any"`: those with a
+            gradient in any micro-step, as the big batch updates every
+            variable any of its samples reached; or a list of variable
+            indices (a `flush()` after a variable was frozen).
     """
     for n, window in enumerate(windows):
         window_weights = [1.0] * len(window) if weights is None else weights[n]
         window_weights = [1.0 if w is None else w for w in window_weights]
         assert len(window_weights) == len(window), (window_weights, window)
-        if updated == "last":
-            indices = [i for i, g in enumerate(window[-1]) if g is not None]
-        elif updated == "any":
+        if updated == "any":
             indices = [
                 i
                 for i in range(len(variables))

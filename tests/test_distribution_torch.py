@@ -360,20 +360,75 @@ def test_overlap_refuses_other_gradients_and_weights_changing_nothing(ranks):
             )
 
 
-def test_overlap_waits_for_variables_without_gradient_bit_for_bit(ranks):
-    # Head b has no gradient on each window's last micro-step: its buckets
-    # (one per variable here) start at the close; weighted windows; the
-    # same weights as the exchange at the close, on both ranks.
+def two_heads_on_window_means():
+    """The oracle of `missing_gradients`: Adam in one process, each window
+    updating every variable some rank's micro-batch reached (head `b`
+    counts zero where a micro-batch does not reach it), with the mean of
+    every rank's micro-batch gradients weighted as the ranks weigh them."""
+    import torch
+    from distribution_torch_worker import MISSING_WINDOWS
+    from distribution_torch_worker import N
+    from distribution_torch_worker import WORLD_SIZE
+    from distribution_torch_worker import K
+    from distribution_torch_worker import missing_rows
+    from distribution_torch_worker import reaches_head_b
+    from distribution_torch_worker import two_heads
+    from distribution_torch_worker import two_heads_loss
+    from helpers import regression_data
+
+    x, y = regression_data(5, N)
+    model = two_heads(x.shape[1])
+    variables = model.trainable_variables
+    parent = keras.optimizers.Adam(0.01)
+    for window in range(MISSING_WINDOWS):
+        sums = [np.zeros(tuple(v.shape), "float64") for v in variables]
+        total, reached = 0.0, set()
+        for step in range(window * K, (window + 1) * K):
+            for rank in range(WORLD_SIZE):
+                weight = 2.0 + rank
+                xb, _ = missing_rows(x, y, step, rank)
+                with_b = reaches_head_b(rank, step)
+                loss = two_heads_loss(model, xb, with_b)
+                params = [v.value for v in variables]
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+                for i, grad in enumerate(grads):
+                    if grad is not None:
+                        reached.add(i)
+                        sums[i] += weight * grad.numpy().astype("float64")
+                total += weight
+        indices = sorted(reached)
+        parent.apply(
+            [
+                keras.ops.convert_to_tensor((sums[i] / total).astype("float32"))
+                for i in indices
+            ],
+            [variables[i] for i in indices],
+        )
+    return model.get_weights()
+
+
+def test_ranks_whose_none_gradients_differ_update_as_the_big_batch(ranks):
+    # Head b: missing from rank 0's closing call only; reached by rank 1's
+    # first micro-step only; reached by no one. At the close and with the
+    # overlap, on both ranks: the big batch's update, the ranks identical.
+    from distribution_torch_worker import MISSING_WINDOWS
+
     chief, other = ranks
-    keys = [k for k in chief if k.startswith("missing_windows_w")]
-    assert len(keys) == 4
+    expected = two_heads_on_window_means()
     for result in ranks:
-        for key in keys:
-            np.testing.assert_array_equal(
-                result[key.replace("_windows_", "_overlap_")], result[key]
-            )
-    for key in keys:
-        np.testing.assert_array_equal(other[key], chief[key])
+        for way in ("windows", "overlap"):
+            assert result[f"missing_{way}_iterations"] == MISSING_WINDOWS
+            for i, weight in enumerate(expected):
+                np.testing.assert_allclose(
+                    result[f"missing_{way}_w{i}"],
+                    weight,
+                    rtol=1e-5,
+                    atol=1e-6,
+                    err_msg=f"{way} weight {i}",
+                )
+    for key in chief:
+        if key.startswith("missing_"):
+            np.testing.assert_array_equal(other[key], chief[key])
 
 
 def test_overlap_weighted_uneven_shards_equal_one_process_global_batch(

@@ -178,8 +178,17 @@ class AccumulationMachine(RuleBasedStateMachine):
         self.weights.append(weight)
         self.losses.append(loss)
         if len(self.window) == self.accum_iters:
-            present = [i for i, g in enumerate(grads) if g is not None]
-            self._reference_apply(present)
+            self._reference_apply(self._reached())
+
+    def _reached(self):
+        """The variables with a gradient in some call of the window and
+        trainable now."""
+        return [
+            i
+            for i in range(len(SHAPES))
+            if any(g[i] is not None for g in self.window)
+            and not (i == 0 and self.frozen)
+        ]
 
     # -- Rules -------------------------------------------------------------
 
@@ -265,13 +274,7 @@ class AccumulationMachine(RuleBasedStateMachine):
     def flush(self):
         self.optimizer.flush()
         if self.window:
-            present = [
-                i
-                for i in range(len(SHAPES))
-                if any(c[i] is not None for c in self.window)
-                and not (i == 0 and self.frozen)
-            ]
-            self._reference_apply(present)
+            self._reference_apply(self._reached())
 
     @rule(before_build=st.booleans())
     def save_and_load(self, before_build):

@@ -130,13 +130,14 @@ class Accumulation:
         product = ops.multiply(ops.cast(grad, wide), ops.cast(weight, wide))
         return ops.cast(product, dtype)
 
-    def _accum_reduce_window(self, sums, total_weight):
-        """The window's sums added over replicas, and its total weight
-        averaged over them (each replica's gradients are already divided
-        by the number of replicas, as Keras' losses do); a no-op where
-        programs see global arrays (keras.distribution) or there is one
-        replica."""
-        return sums, total_weight
+    def _accum_reduce_window(self, sums, extras, total_weight):
+        """`(sums, extras, total_weight)`: the window's gradient `sums` and
+        its other float32 tensors (`extras`: its loss sum, seen-mask and
+        noise sums) added over replicas, and its total weight averaged over
+        them (each replica's gradients are already divided by the number
+        of replicas, as Keras' losses do); a no-op where programs see
+        global arrays (keras.distribution) or there is one replica."""
+        return sums, extras, total_weight
 
     def _accum_window_mean(self, totals, count):
         """`totals / count`."""

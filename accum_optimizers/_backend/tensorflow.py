@@ -103,6 +103,12 @@ class TFAccumulation(Accumulation):
                 lambda: None,
             )
 
+    def _accum_run_if(self, pred, fn):
+        if arrangement() == XLA:
+            _run_at_most_once(pred, fn)
+        else:
+            _branch(pred, fn, lambda: None)
+
     def _accum_add_each(self, sums, grads, new_window, weight):
         """Eagerly or in a graph without XLA: each gradient goes into its sum
         by a branch of its own, overwriting it on a new window, else adding
@@ -226,21 +232,26 @@ class TFAccumulation(Accumulation):
         )
         return tf.equal(nonfinite, 0.0)
 
-    def _accum_reduce_window(self, sums, total_weight):
+    def _accum_reduce_window(self, sums, extras, total_weight):
         replica_context = tf.distribute.get_replica_context()
         if replica_context is None or replica_context.num_replicas_in_sync == 1:
-            return sums, total_weight
+            return sums, extras, total_weight
         pinned = []
-        device = sums[0].device if sums else total_weight.device
-        for value in sums + [total_weight]:
+        values = sums + extras + [total_weight]
+        device = values[0].device
+        for value in values:
             # Inside a control-flow branch MultiWorkerMirroredStrategy
             # leaves ops without a device, and the all-reduce needs one.
             with tf.device(value.device or device):
                 pinned.append(tf.identity(value))
-        # One all-reduce for the sums and the weight together.
+        # One all-reduce for the sums, the extras and the weight together.
         reduced = replica_context.all_reduce(tf.distribute.ReduceOp.SUM, pinned)
         replicas = tf.cast(replica_context.num_replicas_in_sync, "float32")
-        return reduced[:-1], reduced[-1] / replicas
+        return (
+            reduced[: len(sums)],
+            reduced[len(sums) : -1],
+            reduced[-1] / replicas,
+        )
 
     def _accum_window_mean(self, totals, count):
         # A multiply by the reciprocal: TensorFlow divides by a variable

@@ -43,22 +43,25 @@ class TorchAccumulation(Accumulation):
             _keras_private.torch_foreach_add_(targets, sources, alpha=alpha)
 
     @torch.no_grad()
-    def _accum_reduce_window(self, sums, total_weight):
+    def _accum_reduce_window(self, sums, extras, total_weight):
         sync = window_sync(self)
         if sync is None:
-            return sums, total_weight
+            return sums, extras, total_weight
         # Each rank's sums are of its own micro-batches' mean gradients,
         # each micro-batch weighing 1 (or its `weight`): the global mean is
         # the ranks' summed sums over their summed weights. In place: the
-        # sums and the weight are the window's own, dead after it.
-        tensors = list(sums) + [total_weight]
+        # sums and the weight are the window's own, dead after it. Every
+        # rank sends every sum, with or without gradient, so that the ranks
+        # exchange the same tensors.
+        extras = [torch.as_tensor(extra).clone() for extra in extras]
+        tensors = list(sums) + extras + [total_weight]
         overlap = sync.overlap
         if overlap is not None and overlap.claimed is not None:
-            # The gradient sums crossed behind the last backward; the loss
-            # sum and the total weight, known only now, cross here.
+            # The gradient sums crossed behind the last backward; the
+            # extras and the total weight, known only now, cross here.
             overlap.claimed.commit()
             overlap.claimed = None
-            tensors = [sums[-1], total_weight]
+            tensors = extras + [total_weight]
         for bucket in _buckets(tensors, sync.bucket_bytes):
             flat = torch.cat([t.reshape(-1) for t in bucket])
             torch.distributed.all_reduce(flat, group=sync.process_group)
@@ -66,7 +69,7 @@ class TorchAccumulation(Accumulation):
             _keras_private.torch_foreach_copy_(
                 bucket, [v.view_as(t) for v, t in zip(views, bucket)]
             )
-        return sums, total_weight
+        return sums, extras, total_weight
 
     def _accum_finite_everywhere(self, finite):
         sync = window_sync(self)

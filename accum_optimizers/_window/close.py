@@ -8,10 +8,13 @@ all-reduce of `tf.distribute` and `sync_windows`, clipping, weight decay and
 EMA run there and nowhere else.
 """
 
+import contextlib
 import warnings
 
 import numpy as np
 from keras import ops
+
+from accum_optimizers._validation import concrete_value
 
 
 class WindowClose:
@@ -36,13 +39,7 @@ class WindowClose:
         pending = int(ops.convert_to_numpy(self._accum_micro_steps.value))
         if pending == 0:
             return
-        seen = ops.convert_to_numpy(self._accum_seen.value)
-        chosen = [
-            i
-            for i, variable in enumerate(self._trainable_variables)
-            if seen[i] and variable.trainable
-        ]
-        totals = {i: self._accum_sums[i].value for i in chosen}
+        totals = {i: total.value for i, total in self._accum_summed()}
         finite = self._accum_finite_everywhere(
             all(
                 np.isfinite(ops.convert_to_numpy(t)).all()
@@ -56,32 +53,56 @@ class WindowClose:
                 "discarded and the weights were left unchanged.",
                 stacklevel=2,
             )
-        if not finite or not chosen:
             self._accum_end_window()
             return
-        self._accum_apply_window(totals, chosen)
+        self._accum_apply_window(totals)
 
-    def _accum_apply_window(self, totals, present):
+    def _accum_summed(self):
+        """`(index, sum)` of every variable whose window adds its gradients
+        (all but float8 scales, which keep a maximum)."""
+        return [
+            (i, total)
+            for i, (total, variable) in enumerate(
+                zip(self._accum_sums, self._trainable_variables)
+            )
+            if not self._overwrite_variable_with_gradient(variable)
+        ]
+
+    def _accum_apply_window(self, totals, present=()):
         """Applies the window's mean gradient, then starts a new window.
 
-        Args:
-            totals: `{variable index: the window's sum}` for the summed
-                variables (on torch the sums themselves, which the mean may
-                overwrite in place).
-            present: indices of the variables to update: those with a
-                gradient in the call that closes the window (as Keras'
-                own accumulation), or the ones `flush` chose. The window's
-                sums of the others are dropped.
+        Every variable that had gradient in any micro-step of the window,
+        on any replica or rank, is updated with the window's mean (the
+        micro-steps without its gradient count zero), as the big batch
+        updates it; a variable with none in the whole window is left
+        alone, as the parent leaves it, and so is one not trainable now.
 
-        Under `tf.distribute` the replicas' sums and weights are added
-        here, once per window, so that clipping and the update see the
-        global mean gradient, as on one device with the global batch.
+        Args:
+            totals: `{variable index: the window's sum}` for every summed
+                variable (on torch the sums themselves, which the mean may
+                overwrite in place). Every replica passes the same indices:
+                they are exchanged whether or not they had gradient.
+            present: indices of the variables with a gradient in the call
+                that closes the window: known to be updated while compiled
+                code is traced, where the seen-mask is not known yet.
+
+        Under `tf.distribute` and torch `sync_windows` the replicas' sums,
+        seen-masks and weights are added here, once per window, so that
+        clipping and the update see the global mean gradient, as on one
+        device with the global batch.
         """
         variables = self._trainable_variables
-        summed = [i for i in present if i in totals]
-        sums, loss_sum, noise, total_weight = self._accum_reduced_window(
+        summed = sorted(totals)
+        sums, loss_sum, noise, seen, total_weight = self._accum_reduced_window(
             [totals[i] for i in summed]
         )
+        updated, masks = self._accum_updated(seen, summed, present)
+        # The big batch of a model whose layer was frozen mid-window does
+        # not reach it either.
+        updated = [i for i in updated if variables[i].trainable]
+        reduced = dict(zip(summed, sums))
+        averaged = [i for i in updated if i in reduced]
+        sums = [reduced[i] for i in averaged]
         # A window whose micro-batches all weigh 0 (`fit`: every sample
         # weight or token masked) has zero sums: a zero gradient, as the
         # big batch's `divide_no_nan`.
@@ -91,36 +112,79 @@ class WindowClose:
         self._accum_close_noise(noise, ops.square(grad_norm), total_weight)
         means = self._accum_window_mean(sums, divisor)
         means = self._accum_store_means(
-            [self._accum_sums[i] for i in summed], means
+            [self._accum_sums[i] for i in averaged], means
         )
         self._accum_window_loss.assign(ops.divide(loss_sum, divisor))
-        grads = dict(zip(summed, means))
-        for i in present:
-            if i not in totals:
+        grads = dict(zip(averaged, means))
+        for i in updated:
+            if i not in grads:
                 grads[i] = self._accum_sums[i].value  # a window's maximum
-        super().apply(
-            [ops.cast(grads[i], variables[i].dtype) for i in present],
-            [variables[i] for i in present],
-        )
+        if updated:
+            with _masked_updates(self, masks):
+                super().apply(
+                    [ops.cast(grads[i], variables[i].dtype) for i in updated],
+                    [variables[i] for i in updated],
+                )
         # After the update, whose learning rate is that of the samples
         # seen before the window.
         self._accum_count_samples(self._accum_samples_in(total_weight))
         self._accum_end_window()
 
+    def _accum_updated(self, seen, summed, present):
+        """`(updated, masks)`: the indices of the variables the window
+        updates, and `{index: traced bool}` for those of them that compiled
+        code updates only where the bool is true.
+
+        Where `seen` (the window's seen-mask, added over replicas) is known,
+        the variables it marks. While compiled code is traced it is not:
+        the closing call's variables (`present`) are updated, and every
+        other summed one is updated under its seen bit.
+        """
+        known = concrete_value(seen)
+        if known is not None:
+            return [i for i in range(len(known)) if known[i] > 0], {}
+        maybe = [i for i in summed if i not in present]
+        masks = {i: ops.greater(seen[i], 0) for i in maybe}
+        return sorted(set(present) | set(maybe)), masks
+
+    def update_step(self, gradient, variable, learning_rate):
+        mask = _update_mask(self, variable)
+        parent_update_step = super().update_step
+        if mask is None:
+            return parent_update_step(gradient, variable, learning_rate)
+        self._accum_run_if(
+            mask, lambda: parent_update_step(gradient, variable, learning_rate)
+        )
+
+    def _apply_weight_decay(self, variables):
+        parent_weight_decay = super()._apply_weight_decay
+        if self.weight_decay is None or not _masks_of(self):
+            return parent_weight_decay(variables)
+        plain = [v for v in variables if _update_mask(self, v) is None]
+        parent_weight_decay(plain)
+        for variable in variables:
+            mask = _update_mask(self, variable)
+            if mask is not None:
+                self._accum_run_if(
+                    mask, lambda v=variable: parent_weight_decay([v])
+                )
+
     def _accum_reduced_window(self, sums):
-        """`(sums, loss_sum, noise, total_weight)`: the window's `sums`, loss
-        sum, noise-scale sums and total weight, added over replicas (once,
-        in one exchange)."""
+        """`(sums, loss_sum, noise, seen, total_weight)`: the window's
+        `sums`, loss sum, noise-scale sums, seen-mask (float32) and total
+        weight, added over replicas (once, in one exchange)."""
         # Read the counts here, inside the branch: under TensorFlow's XLA
         # loop, a tensor captured from outside costs every micro-step.
         total_weight = self._accum_total_weight.value
-        noise = self._accum_noise_window_values()
-        reduced, total_weight = self._accum_reduce_window(
-            list(sums) + [self._accum_loss_sum.value] + noise, total_weight
+        extras = [
+            self._accum_loss_sum.value,
+            ops.cast(self._accum_seen.value, "float32"),
+            *self._accum_noise_window_values(),
+        ]
+        sums, extras, total_weight = self._accum_reduce_window(
+            list(sums), extras, total_weight
         )
-        noise = reduced[len(reduced) - len(noise) :]
-        reduced = reduced[: len(reduced) - len(noise)]
-        return reduced[:-1], reduced[-1], noise, total_weight
+        return sums, extras[0], extras[2:], extras[1], total_weight
 
     def _accum_count_samples(self, weight):
         """`samples_seen += weight`, compensated (Knuth's two-sum): the
@@ -203,3 +267,26 @@ def _global_norm(tensors):
     if not squares:
         return ops.zeros((), "float32")
     return ops.sqrt(ops.sum(ops.stack(squares)))
+
+
+@contextlib.contextmanager
+def _masked_updates(optimizer, masks):
+    """Within it, the parent's update of each variable whose index is in
+    `masks` runs only where its traced bool is true."""
+    optimizer._accum_update_masks = masks
+    try:
+        yield
+    finally:
+        optimizer._accum_update_masks = {}
+
+
+def _masks_of(optimizer):
+    return optimizer.__dict__.get("_accum_update_masks")
+
+
+def _update_mask(optimizer, variable):
+    """The traced bool under which `variable` is updated, or `None`."""
+    masks = _masks_of(optimizer)
+    if not masks:
+        return None
+    return masks.get(optimizer._get_variable_index(variable))
