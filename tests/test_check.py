@@ -16,15 +16,15 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import settings
-from hypothesis import strategies as st
 from helpers import regression_data
 from helpers import run_worker
 from helpers import sequence_data
 from helpers import sequence_model
 from helpers import small_model
 from helpers import to_numpy
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
 
 import accum_optimizers
 from accum_optimizers import AccumulationLogger
@@ -640,8 +640,8 @@ def test_command_line_exits_2_with_one_line_on_a_drawn_usage_error(
         warnings.simplefilter("ignore")
         try:
             status = check_cli.main(argv)
-        except SystemExit as exit:  # argparse
-            status = exit.code
+        except SystemExit as stop:  # argparse
+            status = stop.code
     assert status == 2, err.getvalue()
     lines = err.getvalue().splitlines()
     assert len(lines) == 1, lines
