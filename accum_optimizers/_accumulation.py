@@ -57,6 +57,7 @@ from accum_optimizers._window.restore import WindowRestore
 from accum_optimizers._window.spec import Layout
 from accum_optimizers._window.spec import window_state
 from accum_optimizers._window.step import WindowStep
+from accum_optimizers.layers import warn_of_other_windows
 
 
 class _ParentClass:
@@ -146,6 +147,7 @@ class GradientAccumulation(
         self._accum_layout = Layout(
             unbuilt, parent, len(self.variables), state_declared
         )
+        warn_of_other_windows(self, variables)
         pending = self.__dict__.pop("_accum_pending_restore", None)
         if pending is not None:
             with self._accum_outside_compiled_code():

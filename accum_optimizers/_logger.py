@@ -75,7 +75,7 @@ class AccumulationLogger(keras.callbacks.Callback):
       and the noise scale's three: as in `logs`.
 
     A point is written at each epoch's end and, with `update_freq`, after
-    batches that applied an update. The event file is written by the
+    batches that applied an update; none before the first update. The event file is written by the
     `tensorboard` package (or TensorFlow's `tf.summary` where only
     TensorFlow is installed), on every Keras backend.
 
@@ -275,7 +275,9 @@ class AccumulationLogger(keras.callbacks.Callback):
             )
             for name in self.windows:
                 self.windows[name].append(record[name])
-        if self._writer is None:
+        # Before the first update there is no window to show: its loss,
+        # gradient norm and noise scale would be placeholders at step 0.
+        if self._writer is None or updates == 0:
             return
         last = self._written or (None, None)
         if (updates, micro_steps) == last or (

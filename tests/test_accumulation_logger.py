@@ -140,20 +140,32 @@ def test_event_file_gets_a_point_after_each_applied_update(tmp_path):
     _fit([AccumulationLogger(log_dir=tmp_path, update_freq=1)], epochs=1)
     scalars = _scalars(tmp_path / "train")
     assert "accumulation/effective_batch_size" not in scalars  # No batch_size.
-    # Micro-batch 1 (first point), 2 and 4 (updates), then the epoch's end
-    # with micro-batch 5 pending at the same step as micro-batch 4.
+    # Micro-batches 2 and 4 (updates), then the epoch's end with
+    # micro-batch 5 pending at the same step as micro-batch 4; none after
+    # micro-batch 1, before any update.
     assert scalars["accumulation/micro_batches"] == [
-        (0, 1.0),
         (1, 2.0),
         (2, 4.0),
         (2, 5.0),
     ]
     assert scalars["accumulation/window_fill"] == [
-        (0, 0.5),
         (1, 0.0),
         (2, 0.0),
         (2, 0.5),
     ]
+    for name in ("window_loss", "window_grad_norm"):
+        points = scalars[f"accumulation/{name}"]
+        assert [step for step, _ in points] == [1, 2, 2]
+        assert all(value > 0 for _, value in points), points
+
+
+def test_event_file_has_no_point_before_the_first_update(tmp_path):
+    # One epoch of 5 micro-batches, windows of 8: nothing is applied.
+    logger = AccumulationLogger(log_dir=tmp_path, update_freq="batch")
+    optimizer = AdamAccumulate(accum_iters=8, measure_noise_scale=True)
+    with pytest.warns(UserWarning, match="5 micro-batches of a window"):
+        _fit([logger], epochs=1, optimizer=optimizer)
+    assert _scalars(tmp_path / "train") == {}
 
 
 def test_scalars_sit_next_to_keras_tensorboard_scalars(tmp_path):

@@ -5,6 +5,8 @@ once in training on the concatenated window for the moving statistics, on
 the micro-batch for the training output.
 """
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -250,6 +252,31 @@ def test_flush_accumulation_flushes_the_layers_with_the_optimizer():
     assert_all_close(
         _values(ours.layers[0]), _values(parent.layers[0]), **STATISTICS
     )
+
+
+@pytest.mark.parametrize(
+    "accum_iters, warns",
+    [(3, True), ({0: 2, 4: 3}, True), (2, False), ({0: 2}, False)],
+)
+def test_fit_warns_when_the_optimizer_has_other_windows(accum_iters, warns):
+    model = _input_bn_model(AccumBatchNormalization(accum_iters=2))
+    optimizer = AdamAccumulate(accum_iters=accum_iters)
+    model.compile(optimizer=optimizer, loss="mse", run_eagerly=True)
+    x = _data(7, [4], (3,))[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, x[:, :1], batch_size=2, verbose=0)
+    named = [
+        str(w.message)
+        for w in caught
+        if "AccumBatchNormalization" in str(w.message)
+    ]
+    if not warns:
+        assert named == []
+        return
+    (message,) = named
+    assert "has accum_iters=2, but optimizer" in message
+    assert f"has accum_iters={accum_iters!r}:" in message
 
 
 def _fit_accumulating(model, x, y, b):

@@ -10,6 +10,7 @@ import io
 import os
 import random
 import re
+import warnings
 from pathlib import Path
 
 import keras
@@ -21,6 +22,9 @@ from helpers import sequence_data
 from helpers import sequence_model
 from helpers import small_model
 from helpers import to_numpy
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
 
 import accum_optimizers
 from accum_optimizers import AccumulationLogger
@@ -518,6 +522,146 @@ def test_command_line_exits_2_without_y(tmp_path, capsys):
     files = _saved(tmp_path, model, x, None)
     assert check_cli.main([*files, "--batch-size", "4"]) == 2
     assert "has no array 'y'" in capsys.readouterr().err
+
+
+# What the command line is given, good: a saved compiled model and its data
+# (16 samples of 4 features; 2 updates of 2 micro-batches of 4 use them all).
+_GOOD = ["--batch-size", "4", "--updates", "2"]
+
+
+@pytest.fixture(scope="module")
+def cli_files(tmp_path_factory):
+    """A folder with saved models, good and bad, and good data."""
+    folder = tmp_path_factory.mktemp("cli")
+    x, y = regression_data(21, 16)
+    np.savez(folder / "data.npz", x=x, y=y)
+    for name, optimizer in (
+        ("model", AdamAccumulate(accum_iters=2)),
+        ("adam", keras.optimizers.Adam()),
+        ("uncompiled", None),
+    ):
+        model = small_model(21)
+        if optimizer is not None:
+            model.compile(optimizer=optimizer, loss="mse")
+        model.save(folder / f"{name}.keras")
+    (folder / "folder.keras").mkdir()
+    (folder / "text.npz").write_text("x,y\n1,2\n")
+    np.save(folder / "array.npy", x)
+    return folder
+
+
+# The usage errors the command line is drawn with, one kind per test case.
+_USAGE_ERRORS = [
+    "missing model",
+    "corrupt model",
+    "folder model",
+    "uncompiled",
+    "not accumulating",
+    "missing data",
+    "corrupt data",
+    "text data",
+    "npy data",
+    "x shape",
+    "few samples",
+    "y length",
+    "sample_weight length",
+    "batch size",
+]
+
+
+def _bad_arrays(draw, bad):
+    """Data of 16 samples with what `bad` says wrong in it, drawn."""
+    arrays = dict(zip("xy", regression_data(22, 16)))
+    if bad == "x shape":
+        features = draw(st.integers(1, 8).filter(lambda n: n != 4))
+        arrays["x"] = np.zeros((16, features), "float32")
+    elif bad == "few samples":
+        samples = draw(st.integers(1, 15))
+        arrays = {name: a[:samples] for name, a in arrays.items()}
+    else:
+        name = bad.split()[0]
+        length = draw(st.integers(1, 40).filter(lambda n: n != 16))
+        arrays[name] = np.ones(length, "float32")
+    return arrays
+
+
+def _bad_command_line(draw, folder, bad):
+    """`(argv, fragment)`: a command line with what `bad` says wrong in it,
+    drawn, and what its error line must name."""
+    model, data = folder / "model.keras", folder / "data.npz"
+    drawn = folder / f"drawn{draw(st.integers(0, 10**6))}"
+    if bad == "corrupt model":
+        model = drawn.with_suffix(".keras")
+        model.write_bytes(draw(st.binary(max_size=64)))
+    elif bad == "corrupt data":
+        data = drawn.with_suffix(".npz")
+        data.write_bytes(draw(st.binary(max_size=64)))
+    elif bad in ("x shape", "few samples", "y length", "sample_weight length"):
+        data = drawn.with_suffix(".npz")
+        np.savez(data, **_bad_arrays(draw, bad))
+    else:
+        model = {
+            "missing model": folder / "missing.keras",
+            "folder model": folder / "folder.keras",
+            "uncompiled": folder / "uncompiled.keras",
+            "not accumulating": folder / "adam.keras",
+        }.get(bad, model)
+        data = {
+            "missing data": folder / "missing.npz",
+            "text data": folder / "text.npz",
+            "npy data": folder / "array.npy",
+        }.get(bad, data)
+    options = list(_GOOD)
+    if bad == "batch size":
+        options[1] = draw(st.sampled_from(["0", "-3", "2.5", "four"]))
+    fragment = {
+        "uncompiled": "must be compiled",
+        "not accumulating": "optimizer=<keras",
+        "x shape": "x.shape=(16, ",
+        "few samples": "len(x)=",
+        "y length": "len(y)=",
+        "sample_weight length": "len(sample_weight)=",
+        "batch size": f"--batch-size: must be an integer >= 1. Received: "
+        f"{options[1]!r}",
+    }.get(bad, repr(str(model if "model" in bad else data)))
+    return [str(model), str(data), *options], fragment
+
+
+@pytest.mark.parametrize("bad", _USAGE_ERRORS)
+@settings(max_examples=max(2, settings.default.max_examples // 6))
+@given(st.data())
+def test_command_line_exits_2_with_one_line_on_a_drawn_usage_error(
+    cli_files, bad, data
+):
+    argv, fragment = _bad_command_line(data.draw, cli_files, bad)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), warnings.catch_warnings():
+        # Keras' warnings on loading are not the error line.
+        warnings.simplefilter("ignore")
+        try:
+            status = check_cli.main(argv)
+        except SystemExit as stop:  # argparse
+            status = stop.code
+    assert status == 2, err.getvalue()
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("python -m accum_optimizers.check: error: ")
+    assert fragment in lines[0], (fragment, lines[0])
+
+
+def test_command_line_exits_3_when_training_fails(
+    cli_files, capsys, monkeypatch
+):
+    def fails(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    # Not a drift: a CI job must not read a crash as one.
+    monkeypatch.setattr(check_cli, "check_exactness", fails)
+    files = [str(cli_files / "model.keras"), str(cli_files / "data.npz")]
+    assert check_cli.main([*files, *_GOOD]) == 3
+    err = capsys.readouterr().err
+    assert "RuntimeError: out of memory" in err
+    assert err.endswith("error: the check failed in training\n")
 
 
 def test_command_line_exits_1_on_drift(tmp_path, capsys):

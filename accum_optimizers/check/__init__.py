@@ -88,23 +88,18 @@ def check_exactness(
             does not accumulate, `updates < 1`, too few samples), named
             with its value.
     """
-    optimizer = model_optimizer(model, optimizer)
-    inner = _inner(optimizer)
-    k = int(inner.accum_iters)
-    _check_positive_int("batch_size", batch_size)
-    _check_positive_int("updates", updates)
+    optimizer, k, samples = check_arguments(
+        model,
+        x,
+        y,
+        batch_size=batch_size,
+        sample_weight=sample_weight,
+        updates=updates,
+        optimizer=optimizer,
+    )
     callbacks = list(callbacks or [])
-    samples = _sample_count(x, y, sample_weight)
-    needed = updates * k * batch_size
-    if samples < needed:
-        raise ValueError(
-            f"`updates={updates}` windows of accum_iters={k} micro-batches "
-            f"of batch_size={batch_size} need {needed} samples; x has "
-            f"{samples}. Pass fewer `updates` or more data. Received: "
-            f"updates={updates}, len(x)={samples}"
-        )
-    used = np.arange(needed)
-    reordered = _runs.reordered_within(k * batch_size, needed, seed)
+    used = np.arange(updates * k * batch_size)
+    reordered = _runs.reordered_within(k * batch_size, len(used), seed)
     data = tuple(_runs.take(d, used) for d in (x, y, sample_weight))
     shuffled = tuple(_runs.take(d, reordered) for d in (x, y, sample_weight))
     with _runs.global_random_state_kept():
@@ -120,7 +115,7 @@ def check_exactness(
     )
     report = ExactnessReport(
         exact=all(v.exact for v in result.table),
-        optimizer=f"{type(inner).__name__}(accum_iters={k})",
+        optimizer=f"{type(_inner(optimizer)).__name__}(accum_iters={k})",
         batch_size=batch_size,
         accum_iters=k,
         updates=updates,
@@ -133,6 +128,48 @@ def check_exactness(
     if verbose:
         print(report)
     return report
+
+
+def check_arguments(
+    model,
+    x,
+    y=None,
+    *,
+    batch_size,
+    sample_weight=None,
+    updates=20,
+    optimizer=None,
+):
+    """Checks the arguments of `check_exactness` without training anything
+    (its command line tells a usage error from a drift with it).
+
+    Args:
+        model, x, y, batch_size, sample_weight, updates, optimizer: as
+            `check_exactness` takes them.
+
+    Returns:
+        `(optimizer, accum_iters, samples)`: the accumulating optimizer to
+        check, its window size and the number of samples in `x`.
+
+    Raises:
+        ValueError: an argument that cannot be checked, named with its
+            value.
+    """
+    optimizer = model_optimizer(model, optimizer)
+    k = int(_inner(optimizer).accum_iters)
+    _check_positive_int("batch_size", batch_size)
+    _check_positive_int("updates", updates)
+    samples = _sample_count(x, y, sample_weight)
+    _check_input_shapes(model, x)
+    needed = updates * k * batch_size
+    if samples < needed:
+        raise ValueError(
+            f"`updates={updates}` windows of accum_iters={k} micro-batches "
+            f"of batch_size={batch_size} need {needed} samples; x has "
+            f"{samples}. Pass fewer `updates` or more data. Received: "
+            f"updates={updates}, len(x)={samples}"
+        )
+    return optimizer, k, samples
 
 
 class _Comparison:
@@ -308,7 +345,7 @@ def _check_positive_int(name, value):
 def _sample_count(x, y, sample_weight):
     """The number of samples, the same in every array of x, y and
     sample_weight (else `ValueError`)."""
-    counts = {}
+    lengths = []  # (name, samples) of every array
     for name, data in (("x", x), ("y", y), ("sample_weight", sample_weight)):
         if data is None:
             continue
@@ -320,10 +357,45 @@ def _sample_count(x, y, sample_weight):
                     "slices into its batches. Received: "
                     f"{name}={leaf!r} of type {type(leaf).__name__}"
                 )
-            counts.setdefault(len(leaf), name)
-    if len(counts) != 1:
+            lengths.append((name, len(leaf)))
+    if len({count for _, count in lengths}) != 1:
+        received = dict.fromkeys(f"len({n})={c}" for n, c in lengths)
         raise ValueError(
             "`x`, `y` and `sample_weight` must hold the same number of "
-            f"samples. Received: {sorted(counts)} samples"
+            f"samples. Received: {', '.join(received) or 'no arrays'}"
         )
-    return next(iter(counts))
+    return lengths[0][1]
+
+
+def _check_input_shapes(model, x):
+    """Refuses arrays of `x` that a Sequential or Functional `model` cannot
+    take, before any training (a model class of your own declares no
+    inputs; a dict of arrays is matched by Keras by name, not checked)."""
+    inputs = getattr(model, "inputs", None)
+    if not inputs or isinstance(x, dict):
+        return
+    arrays = keras.tree.flatten(x)
+    if len(arrays) != len(inputs):
+        raise ValueError(
+            f"`x` must hold one array per model input ({len(inputs)}). "
+            f"Received: {len(arrays)} arrays"
+        )
+    for array, expected in zip(arrays, inputs):
+        shape = tuple(np.shape(array))
+        if not _fits(shape[1:], tuple(expected.shape)[1:]):
+            raise ValueError(
+                f"`x` does not fit the model's input {expected.name!r} of "
+                f"shape {tuple(expected.shape)}. Received: x.shape={shape}"
+            )
+
+
+def _fits(shape, expected):
+    """Whether one sample of `shape` fits `expected` (`None`: any size),
+    allowing the trailing axis of 1 that Keras' Functional adds or drops."""
+    if len(shape) == len(expected) + 1 and shape[-1:] == (1,):
+        shape = shape[:-1]
+    elif len(shape) == len(expected) - 1 and expected[-1:] == (1,):
+        expected = expected[:-1]
+    return len(shape) == len(expected) and all(
+        e is None or s == e for s, e in zip(shape, expected)
+    )
