@@ -322,48 +322,59 @@ def weighted_overlap(rank, x, y):
 
 
 MISSING_WINDOWS = 3
+HEADS = "abc"
+# The seeds of the drawn patterns of `reached_heads` (`TORCH_RANK_DRAWS`
+# of them: 2 in CI, more for a local hunt).
+DRAWS = tuple(range(int(os.environ.get("TORCH_RANK_DRAWS", "2"))))
 
 
-def reaches_head_b(rank, step):
-    """Whether rank `rank`'s micro-step `step` of `missing_gradients` has
-    head `b` in its loss. Window 1: all but rank 0's last micro-step (the
-    ranks' closing calls differ in their `None`s); window 2: rank 1's first
-    micro-step alone (rank 0 never reaches it); window 3: none (the head
-    is left alone, Adam's momentum included)."""
-    window, micro_step = divmod(step, K)
-    if window == 0:
-        return rank == 1 or micro_step != K - 1
-    if window == 1:
-        return rank == 1 and micro_step == 0
-    return False
+def reached(pattern, rank, step):
+    """The heads (indices into `HEADS`) in rank `rank`'s loss at micro-step
+    `step` of `reached_heads`.
+
+    `pattern` `"named"`: head `a` always; head `b` in window 1 on all but
+    rank 0's last micro-step (the ranks' closing calls differ in their
+    `None`s), in window 2 on rank 1's first micro-step alone (rank 0 never
+    reaches it), in window 3 nowhere (left alone, Adam's moments too);
+    head `c` never. An int: a seed, each head drawn with probability 1/2,
+    at least one per micro-step.
+    """
+    if pattern == "named":
+        window, micro_step = divmod(step, K)
+        if window == 0:
+            with_b = rank == 1 or micro_step != K - 1
+        else:
+            with_b = window == 1 and rank == 1 and micro_step == 0
+        return {0, 1} if with_b else {0}
+    rng = np.random.default_rng([pattern, rank, step])
+    heads = {i for i in range(len(HEADS)) if rng.random() < 0.5}
+    return heads or {int(rng.integers(len(HEADS)))}
 
 
 def missing_rows(x, y, step, rank):
-    """The rows of `missing_gradients`' micro-step `step` on `rank`."""
+    """The rows of `reached_heads`' micro-step `step` on `rank`."""
     return rows(x, y, step * GLOBAL_MICRO % N, rank)
 
 
-def two_heads(features):
-    """The two-headed model of `missing_gradients`, seeded."""
+def heads_model(features):
+    """The model of `reached_heads`: one dense head per `HEADS`, seeded."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((features,))
-    heads = [keras.layers.Dense(2, name=name)(inputs) for name in "ab"]
+    heads = [keras.layers.Dense(2, name=name)(inputs) for name in HEADS]
     return keras.Model(inputs, heads)
 
 
-def two_heads_loss(model, xb, with_b):
-    out_a, out_b = model(xb)
-    loss = torch.mean(torch.square(out_a))
-    if with_b:
-        loss = loss + torch.mean(torch.square(out_b))
-    return loss
+def heads_loss(model, xb, heads):
+    """The sum of the mean squares of the `heads` outputs (indices)."""
+    outputs = model(xb)
+    return sum(torch.mean(torch.square(outputs[i])) for i in sorted(heads))
 
 
-def missing_gradients(rank, x, y, overlap):
-    """A two-headed model whose head `b` the ranks reach in different
-    micro-steps (`reaches_head_b`), weighted windows, one bucket per
-    variable; at the close or with the overlap (keys `missing_{way}_*`)."""
-    model = two_heads(x.shape[1])
+def reached_heads(rank, x, y, overlap, pattern):
+    """A model of three heads that the ranks reach in different micro-steps
+    (`reached`), weighted windows, one bucket per variable; at the close or
+    with the overlap (keys `reached_{pattern}_{way}_*`)."""
+    model = heads_model(x.shape[1])
     optimizer = sync_windows(
         AdamAccumulate(learning_rate=0.01, accum_iters=K),
         model=model if overlap else None,
@@ -371,14 +382,14 @@ def missing_gradients(rank, x, y, overlap):
     )
     for step in range(MISSING_WINDOWS * K):
         xb, _ = missing_rows(x, y, step, rank)
-        loss = two_heads_loss(model, xb, reaches_head_b(rank, step))
+        loss = heads_loss(model, xb, reached(pattern, rank, step))
         if overlap:
             weigh_next_backward(optimizer, 2.0 + rank)
         loss.backward()
         apply_grads(model, optimizer, weight=2.0 + rank)
-    way = "overlap" if overlap else "windows"
-    results = weights(f"missing_{way}", model)
-    results[f"missing_{way}_iterations"] = int(optimizer.iterations)
+    prefix = f"reached_{pattern}_{'overlap' if overlap else 'windows'}"
+    results = weights(prefix, model)
+    results[f"{prefix}_iterations"] = int(optimizer.iterations)
     return results
 
 
@@ -440,8 +451,9 @@ def main(out):
             results.update(skip_on_every_rank(rank, x, y, overlap=overlap))
         results.update(overlap_refusals(rank, x, y))
         results.update(weighted_overlap(rank, x, y))
-        for overlap in (False, True):
-            results.update(missing_gradients(rank, x, y, overlap))
+        for pattern in ("named",) + DRAWS:
+            for overlap in (False, True):
+                results.update(reached_heads(rank, x, y, overlap, pattern))
         results.update(noise_scale_across_ranks(rank))
         np.savez(Path(out) / f"rank{rank}.npz", **results)
     finally:

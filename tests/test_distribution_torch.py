@@ -360,43 +360,43 @@ def test_overlap_refuses_other_gradients_and_weights_changing_nothing(ranks):
             )
 
 
-def two_heads_on_window_means():
-    """The oracle of `missing_gradients`: Adam in one process, each window
-    updating every variable some rank's micro-batch reached (head `b`
-    counts zero where a micro-batch does not reach it), with the mean of
-    every rank's micro-batch gradients weighted as the ranks weigh them."""
+def heads_on_window_means(pattern):
+    """The oracle of `reached_heads`: Adam in one process, each window
+    updating every variable some rank's micro-batch reached (a head counts
+    zero where a micro-batch does not reach it), with the mean of every
+    rank's micro-batch gradients weighted as the ranks weigh them."""
     import torch
     from distribution_torch_worker import MISSING_WINDOWS
     from distribution_torch_worker import N
     from distribution_torch_worker import WORLD_SIZE
     from distribution_torch_worker import K
+    from distribution_torch_worker import heads_loss
+    from distribution_torch_worker import heads_model
     from distribution_torch_worker import missing_rows
-    from distribution_torch_worker import reaches_head_b
-    from distribution_torch_worker import two_heads
-    from distribution_torch_worker import two_heads_loss
+    from distribution_torch_worker import reached
     from helpers import regression_data
 
     x, y = regression_data(5, N)
-    model = two_heads(x.shape[1])
+    model = heads_model(x.shape[1])
     variables = model.trainable_variables
     parent = keras.optimizers.Adam(0.01)
+    parent.build(variables)
     for window in range(MISSING_WINDOWS):
         sums = [np.zeros(tuple(v.shape), "float64") for v in variables]
-        total, reached = 0.0, set()
+        total, updated = 0.0, set()
         for step in range(window * K, (window + 1) * K):
             for rank in range(WORLD_SIZE):
                 weight = 2.0 + rank
                 xb, _ = missing_rows(x, y, step, rank)
-                with_b = reaches_head_b(rank, step)
-                loss = two_heads_loss(model, xb, with_b)
+                loss = heads_loss(model, xb, reached(pattern, rank, step))
                 params = [v.value for v in variables]
                 grads = torch.autograd.grad(loss, params, allow_unused=True)
                 for i, grad in enumerate(grads):
                     if grad is not None:
-                        reached.add(i)
+                        updated.add(i)
                         sums[i] += weight * grad.numpy().astype("float64")
                 total += weight
-        indices = sorted(reached)
+        indices = sorted(updated)
         parent.apply(
             [
                 keras.ops.convert_to_tensor((sums[i] / total).astype("float32"))
@@ -408,26 +408,30 @@ def two_heads_on_window_means():
 
 
 def test_ranks_whose_none_gradients_differ_update_as_the_big_batch(ranks):
-    # Head b: missing from rank 0's closing call only; reached by rank 1's
-    # first micro-step only; reached by no one. At the close and with the
-    # overlap, on both ranks: the big batch's update, the ranks identical.
+    # The named pattern (a head missing from one rank's closing call only,
+    # reached by one rank's first micro-step only, reached by no one) and
+    # the drawn ones; at the close and with the overlap, on both ranks:
+    # the big batch's update, the ranks identical bit for bit.
+    from distribution_torch_worker import DRAWS
     from distribution_torch_worker import MISSING_WINDOWS
 
     chief, other = ranks
-    expected = two_heads_on_window_means()
-    for result in ranks:
-        for way in ("windows", "overlap"):
-            assert result[f"missing_{way}_iterations"] == MISSING_WINDOWS
-            for i, weight in enumerate(expected):
-                np.testing.assert_allclose(
-                    result[f"missing_{way}_w{i}"],
-                    weight,
-                    rtol=1e-5,
-                    atol=1e-6,
-                    err_msg=f"{way} weight {i}",
-                )
+    for pattern in ("named",) + DRAWS:
+        expected = heads_on_window_means(pattern)
+        for result in ranks:
+            for way in ("windows", "overlap"):
+                prefix = f"reached_{pattern}_{way}"
+                assert result[f"{prefix}_iterations"] == MISSING_WINDOWS
+                for i, weight in enumerate(expected):
+                    np.testing.assert_allclose(
+                        result[f"{prefix}_w{i}"],
+                        weight,
+                        rtol=1e-5,
+                        atol=1e-6,
+                        err_msg=f"{prefix} weight {i}",
+                    )
     for key in chief:
-        if key.startswith("missing_"):
+        if key.startswith("reached_"):
             np.testing.assert_array_equal(other[key], chief[key])
 
 
