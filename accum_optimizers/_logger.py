@@ -75,9 +75,10 @@ class AccumulationLogger(keras.callbacks.Callback):
       and the noise scale's three: as in `logs`.
 
     A point is written at each epoch's end and, with `update_freq`, after
-    batches that applied an update; none before the first update. The event file is written by the
-    `tensorboard` package (or TensorFlow's `tf.summary` where only
-    TensorFlow is installed), on every Keras backend.
+    batches that applied an update; none before the first update. The
+    event file is written by the `tensorboard` package (or TensorFlow's
+    `tf.summary` where only TensorFlow is installed), on every Keras
+    backend.
 
     On JAX, reading the optimizer's counters after a batch makes Keras
     attach the training state to the model (as any callback that reads

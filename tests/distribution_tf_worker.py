@@ -20,6 +20,7 @@ from mirrored_devices import REPLICAS
 # The CPU is split (above) before anything below starts TensorFlow.
 # isort: split
 import keras
+import numpy as np
 from helpers import PARENTS
 from helpers import fit_in_order
 from helpers import largest_difference
@@ -197,6 +198,60 @@ def custom_loop_case(results, strategy, x, y):
     }
 
 
+def reached_subsets_case(results, strategy):
+    """A custom loop whose micro-steps reach different variables (one
+    `tf.function` per pattern, as a Python branch retraces), AdamW: the
+    closing call misses a variable reached earlier; a window reaches one
+    variable only. Against Adam on one device fed each window's mean over
+    the replicas (each replica's gradient the same, summed over them)."""
+    reached = [(1, 1), (1, 0), (1, 0), (1, 0), (0, 1), (1, 0)]
+    rng = np.random.default_rng(0)
+    grads = [
+        [rng.normal(size=3).astype("float32") for _ in "ab"] for _ in reached
+    ]
+    options = {"learning_rate": 0.1, "weight_decay": 0.1}
+    with strategy.scope():
+        ours = [keras.Variable(np.ones(3, "float32")) for _ in "ab"]
+        optimizer = AdamAccumulate(accum_iters=2, **options)
+        optimizer.build(ours)
+    steps = {}
+    for pattern, (g_a, g_b) in zip(reached, grads):
+        if pattern not in steps:
+
+            @tf.function
+            def step(g_a, g_b, pattern=pattern):
+                def replica_step(g_a, g_b):
+                    passed = [
+                        g if on else None for g, on in zip((g_a, g_b), pattern)
+                    ]
+                    optimizer.apply(passed, ours)
+
+                strategy.run(replica_step, args=(g_a, g_b))
+
+            steps[pattern] = step
+        steps[pattern](tf.constant(g_a), tf.constant(g_b))
+    theirs = [keras.Variable(np.ones(3, "float32")) for _ in "ab"]
+    parent = keras.optimizers.Adam(**options)
+    parent.build(theirs)
+    replicas = strategy.num_replicas_in_sync
+    for start in range(0, len(reached), 2):
+        window = range(start, start + 2)
+        indices = [i for i in range(2) if any(reached[j][i] for j in window)]
+        means = [
+            replicas * sum(grads[j][i] * reached[j][i] for j in window) / 2
+            for i in indices
+        ]
+        parent.apply(
+            [tf.constant(m) for m in means], [theirs[i] for i in indices]
+        )
+    results["custom_loop/reached_subsets"] = {
+        "max_difference": largest_difference(
+            [v.numpy() for v in ours], [v.numpy() for v in theirs]
+        ),
+        "iterations": int(optimizer.iterations.numpy()),
+    }
+
+
 def reduction_cases(results, strategy, x, y):
     counts = {}
     for label, accum_iters in (("parent", 0), ("ours", K)):
@@ -323,6 +378,7 @@ def main(out_path):
     fit_cases(results, strategy, x, y)
     if "--fit-only" not in sys.argv:
         custom_loop_case(results, strategy, x, y)
+        reached_subsets_case(results, strategy)
         reduction_cases(results, strategy, x, y)
         resume_case(results, strategy, Path(out_path).parent, x, y)
         flush_case(results, strategy, x, y)

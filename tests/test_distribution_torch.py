@@ -367,9 +367,9 @@ def heads_on_window_means(pattern):
     rank's micro-batch gradients weighted as the ranks weigh them."""
     import torch
     from distribution_torch_worker import MISSING_WINDOWS
-    from distribution_torch_worker import N
     from distribution_torch_worker import WORLD_SIZE
     from distribution_torch_worker import K
+    from distribution_torch_worker import N
     from distribution_torch_worker import heads_loss
     from distribution_torch_worker import heads_model
     from distribution_torch_worker import missing_rows

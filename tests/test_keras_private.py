@@ -35,6 +35,8 @@ def test_every_listed_name_is_covered_here():
         "_track_variable",
         "_overwrite_variable_with_gradient",
         "_get_current_learning_rate",
+        "_apply_weight_decay",
+        "_use_weight_decay",
     }
 
 
@@ -105,6 +107,25 @@ def test_current_learning_rate_is_the_schedule_at_iterations():
     np.testing.assert_allclose(
         float(optimizer._get_current_learning_rate()), 0.125
     )
+
+
+def test_decay_weight_is_keras_weight_decay_of_one_variable():
+    # Keras' own decay on one optimizer's variables, ours on another's; the
+    # second variable, excluded by name, is left alone by both.
+    decayed = []
+    for decay in ("keras", "ours"):
+        optimizer, variables = _built_adam(learning_rate=0.5, weight_decay=0.1)
+        optimizer.exclude_from_weight_decay(var_names=[variables[1].name])
+        if decay == "keras":
+            optimizer._apply_weight_decay(variables)
+        else:
+            for variable in variables:
+                _keras_private.decay_weight(optimizer, variable)
+        decayed.append([keras.ops.convert_to_numpy(v) for v in variables])
+    for keras_value, our_value in zip(*decayed):
+        np.testing.assert_array_equal(our_value, keras_value)
+    np.testing.assert_allclose(decayed[1][0], [0.95, 1.9])
+    np.testing.assert_array_equal(decayed[1][1], [[3.0]])
 
 
 @pytest.mark.backends("tensorflow")

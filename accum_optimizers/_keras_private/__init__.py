@@ -20,6 +20,9 @@ Attributes and methods of `keras.optimizers.Optimizer` used by the mixin
 - `_overwrite_variable_with_gradient(variable)`: float8 scale variables
   that the optimizer overwrites with their "gradient".
 - `_get_current_learning_rate()`: the learning rate at `_iterations`.
+- `_apply_weight_decay(variables)`, `_use_weight_decay(variable)`: the
+  decoupled weight decay the update applies before `update_step`
+  (`decay_weight` repeats it for one variable).
 - TensorFlow: `_distribution_strategy` and `_all_reduce_sum_gradients`
   (`keras/src/backend/tensorflow/optimizer.py`).
 - torch: `TorchOptimizer.__new__` swaps in the fused
@@ -82,6 +85,7 @@ import re
 import sys
 
 import keras
+from keras import ops
 
 # -- Versions ------------------------------------------------------------------
 
@@ -193,6 +197,8 @@ OPTIMIZER_ATTRIBUTES = (
     "_track_variable",
     "_overwrite_variable_with_gradient",
     "_get_current_learning_rate",
+    "_apply_weight_decay",
+    "_use_weight_decay",
 )
 
 TENSORFLOW_OPTIMIZER_ATTRIBUTES = (
@@ -219,6 +225,19 @@ def fused_class(optimizer_class):
     returns `optimizer_class`.
     """
     return type(optimizer_class.__new__(optimizer_class))
+
+
+def decay_weight(optimizer, variable):
+    """Keras' decoupled weight decay of one variable, as
+    `optimizer._apply_weight_decay([variable])` applies it, without its
+    `merge_call` under `tf.distribute` (so that it can run in a branch)."""
+    if optimizer.weight_decay is None:
+        return
+    if not optimizer._use_weight_decay(variable):
+        return
+    learning_rate = ops.cast(optimizer.learning_rate, variable.dtype)
+    weight_decay = ops.cast(optimizer.weight_decay, variable.dtype)
+    variable.assign(variable - variable * weight_decay * learning_rate)
 
 
 def variable_layout(variable):

@@ -14,6 +14,7 @@ import warnings
 import numpy as np
 from keras import ops
 
+from accum_optimizers import _keras_private
 from accum_optimizers._validation import concrete_value
 
 
@@ -152,22 +153,21 @@ class WindowClose:
         parent_update_step = super().update_step
         if mask is None:
             return parent_update_step(gradient, variable, learning_rate)
-        self._accum_run_if(
-            mask, lambda: parent_update_step(gradient, variable, learning_rate)
-        )
+
+        def update():
+            # Its weight decay too, which `_apply_weight_decay` left out:
+            # Keras' own would `merge_call` inside this branch under
+            # tf.distribute.
+            _keras_private.decay_weight(self, variable)
+            parent_update_step(gradient, variable, learning_rate)
+
+        self._accum_run_if(mask, update)
 
     def _apply_weight_decay(self, variables):
-        parent_weight_decay = super()._apply_weight_decay
-        if self.weight_decay is None or not _masks_of(self):
-            return parent_weight_decay(variables)
-        plain = [v for v in variables if _update_mask(self, v) is None]
-        parent_weight_decay(plain)
-        for variable in variables:
-            mask = _update_mask(self, variable)
-            if mask is not None:
-                self._accum_run_if(
-                    mask, lambda v=variable: parent_weight_decay([v])
-                )
+        # Variables updated under a mask decay in their `update_step`.
+        super()._apply_weight_decay(
+            [v for v in variables if _update_mask(self, v) is None]
+        )
 
     def _accum_reduced_window(self, sums):
         """`(sums, loss_sum, noise, seen, total_weight)`: the window's
