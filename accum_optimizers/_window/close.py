@@ -136,11 +136,16 @@ class WindowClose:
         updates, and `{index: traced bool}` for those of them that compiled
         code updates only where the bool is true.
 
-        Where `seen` (the window's seen-mask, added over replicas) is known,
-        the variables it marks. While compiled code is traced it is not:
+        Where the closing call has every gradient, all of them. Where
+        `seen` (the window's seen-mask, added over replicas) is known, the
+        variables it marks. While compiled code is traced it is not:
         the closing call's variables (`present`) are updated, and every
         other summed one is updated under its seen bit.
         """
+        if set(summed) <= set(present):
+            # Every variable has gradient in the closing call: no read of
+            # the mask (a device sync, eagerly), no branch.
+            return list(present), {}
         known = concrete_value(seen)
         if known is not None:
             return [i for i in range(len(known)) if known[i] > 0], {}
