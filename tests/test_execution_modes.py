@@ -180,7 +180,8 @@ def test_a_tf_function_loop_runs_our_code_as_written_and_says_nothing(
     ours = AdamAccumulate(0.01, accum_iters=K)
     step = compiled_step(our_model, ours)
     capfd.readouterr()
-    with caplog.at_level("INFO"), warnings.catch_warnings(record=True) as caught:
+    recording = warnings.catch_warnings(record=True)
+    with caplog.at_level("INFO"), recording as caught:
         warnings.simplefilter("always")
         for start in range(0, len(x), B):
             step(x[start : start + B], y[start : start + B])
