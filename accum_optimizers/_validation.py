@@ -20,15 +20,35 @@ MIN_WEIGHT = float(np.finfo(np.float32).tiny)
 MAX_ACCUM_ITERS = 2**31 - 1
 
 
+def is_real_number(value):
+    """Whether `value` is a real number: a Python or numpy integer or
+    floating scalar (`numbers.Real`), not a bool (which `numbers` counts as
+    an integer)."""
+    return isinstance(value, numbers.Real) and not isinstance(
+        value, (bool, np.bool_)
+    )
+
+
+def is_integer(value):
+    """Whether `value` is a Python or numpy integer, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(
+        value, (bool, np.bool_)
+    )
+
+
+def plain_number(value):
+    """`value` (a real number) as a Python `int` or `float`: what configs
+    hold (JSON has no numpy scalars)."""
+    return int(value) if is_integer(value) else float(value)
+
+
 def validate_accum_iters(accum_iters):
     """Returns `accum_iters` as a plain `int` in `[1, 2**31 - 1]`.
 
     Accepts Python and numpy integers (tuners supply `numpy.int64`); refuses
     anything else, floats included, naming the value.
     """
-    if isinstance(accum_iters, (bool, np.bool_)) or not isinstance(
-        accum_iters, numbers.Integral
-    ):
+    if not is_integer(accum_iters):
         raise TypeError(
             "`accum_iters` must be an integer >= 1. Received: "
             f"accum_iters={accum_iters!r} "
@@ -68,11 +88,7 @@ def validate_boundaries(boundaries):
         for key, value in boundaries.items():
             if isinstance(key, str) and key.isdigit():
                 key = int(key)
-            if (
-                isinstance(key, (bool, np.bool_))
-                or not isinstance(key, numbers.Integral)
-                or key < 0
-            ):
+            if not is_integer(key) or key < 0:
                 problem = f"has a key that is not an integer >= 0: {key!r}"
                 break
             try:
@@ -113,12 +129,7 @@ def validate_decay(decay):
     """Returns the Keras 2 time decay as a float, or `None` for no decay."""
     if decay is None:
         return None
-    valid = (
-        isinstance(decay, numbers.Real)
-        and not isinstance(decay, (bool, np.bool_))
-        and math.isfinite(decay)
-        and decay >= 0
-    )
+    valid = is_real_number(decay) and math.isfinite(decay) and decay >= 0
     with np.errstate(over="ignore"):
         valid = valid and math.isfinite(np.float32(decay))
     if not valid:
