@@ -249,3 +249,46 @@ def validate_gradient_shape(grad, variable):
             f"{dims}, but the variable has shape {expected}; they must be "
             "equal (a gradient is never broadcast)."
         )
+
+
+def validate_gradient_dtype(grad, variable):
+    """Raises unless `grad` (a tensor, an array or a `tf.IndexedSlices`)
+    has a floating-point dtype, which the cast into the window's sum takes.
+
+    A string gradient fails in that cast and an integer one is not a
+    gradient; either would fail or round after the window's counters were
+    written.
+    """
+    dtype = getattr(grad, "dtype", None)
+    if dtype is None:  # a list or a Python number
+        dtype = np.asarray(grad).dtype
+    try:
+        name = backend.standardize_dtype(dtype)
+    except (ValueError, TypeError, AttributeError):
+        name = getattr(dtype, "name", str(dtype))
+    if not name.startswith(("float", "bfloat")):
+        raise ValueError(
+            f"The gradient for variable '{variable.path}' has dtype {name}, "
+            "but a gradient must have a floating-point dtype (it is cast to "
+            "the window's sum, of a float dtype)."
+        )
+
+
+def validate_gradient_indices(grad, variable):
+    """Raises unless a concrete `tf.IndexedSlices` gradient's indices are
+    rows of `variable`, `[0, rows)`: the scatter into the window's sum
+    would write the rows before the first one out of range, and fail.
+    Traced indices are not checked (the graph's scatter fails on them)."""
+    if not hasattr(grad, "dense_shape"):  # not a tf.IndexedSlices
+        return
+    indices = concrete_value(grad.indices)
+    if indices is None or indices.size == 0:
+        return
+    rows = tuple(variable.shape)[0]
+    if indices.min() < 0 or indices.max() >= rows:
+        raise ValueError(
+            f"The gradient for variable '{variable.path}' is a "
+            f"`tf.IndexedSlices` whose indices must be in [0, {rows}), the "
+            "variable's rows. Received: indices from "
+            f"{indices.min()} to {indices.max()}"
+        )

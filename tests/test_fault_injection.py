@@ -45,6 +45,10 @@ from fuzz_runs import assert_same_run
 from fuzz_runs import data
 from fuzz_runs import outcome
 from fuzz_runs import train_parent_to_memory
+from helpers import assert_all_close
+from helpers import parent_on_window_means
+from helpers import random_variables
+from helpers import to_numpy
 from modes import MODES
 
 import accum_optimizers as ao
@@ -369,6 +373,68 @@ def test_a_call_with_a_bad_argument_raises_and_changes_nothing(bad, request):
         )
     ]
     assert not changed, changed
+
+
+# -- A gradient that passes the shape check and cannot be added ---------------
+
+SHAPES = [(3,), (4, 3)]  # a bias, then a table: the bad gradient is the 2nd's
+
+
+def _bad_gradient(kind):
+    """A gradient for a (4, 3) variable, of the right shape, that the
+    window's sum cannot take."""
+    if kind == "string":
+        return np.full((4, 3), "a")
+    if kind == "int32":
+        return np.ones((4, 3), "int32")
+    import tensorflow as tf
+
+    # Rows 1 and 4 of a 4-row variable: the scatter would write row 1.
+    return tf.IndexedSlices(
+        tf.ones((2, 3)), tf.constant([1, 4]), tf.constant([4, 3])
+    )
+
+
+BAD_GRADIENTS = {
+    "string": "dtype str",
+    "int32": "dtype int32",
+    **(
+        {"IndexedSlices-out-of-range": r"indices must be in \[0, 4\)"}
+        if BACKEND == "tensorflow"
+        else {}
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_GRADIENTS))
+def test_a_call_with_a_bad_gradient_raises_and_changes_nothing(kind):
+    # Windows of 3; the refused call comes with one micro-batch pending,
+    # and the window then closes with the next two, exactly like the parent
+    # on the window's mean.
+    ours_vars = random_variables(5, SHAPES)
+    parent_vars = random_variables(5, SHAPES)
+    rng = np.random.default_rng(6)
+    window = [
+        [rng.normal(size=s).astype("float32") for s in SHAPES] for _ in range(3)
+    ]
+    optimizer = ao.AdamAccumulate(0.1, accum_iters=3, **NOISE)
+    optimizer.apply(window[0], ours_vars, loss=1.0)
+    before = to_numpy(optimizer.variables + ours_vars)
+    with pytest.raises(ValueError, match=BAD_GRADIENTS[kind]) as raised:
+        optimizer.apply([window[1][0], _bad_gradient(kind)], ours_vars)
+    assert ours_vars[1].path in str(raised.value)
+    after = to_numpy(optimizer.variables + ours_vars)
+    changed = [
+        v.path
+        for v, a, b in zip(optimizer.variables + ours_vars, after, before)
+        if not np.array_equal(a, b, equal_nan=True)
+    ]
+    assert not changed, changed
+    for grads in window[1:]:
+        optimizer.apply(grads, ours_vars, loss=1.0)
+    parent_on_window_means(keras.optimizers.Adam(0.1), parent_vars, [window])
+    assert int(optimizer.iterations) == 1
+    assert_all_close(ours_vars, parent_vars, rtol=1e-6, atol=1e-7)
 
 
 # -- A negative normalizer at each micro-step of a window ---------------------

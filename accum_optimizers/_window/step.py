@@ -22,6 +22,8 @@ from accum_optimizers import _inputs
 from accum_optimizers import _keras_private
 from accum_optimizers._finite import masked
 from accum_optimizers._validation import concrete_value
+from accum_optimizers._validation import validate_gradient_dtype
+from accum_optimizers._validation import validate_gradient_indices
 from accum_optimizers._validation import validate_gradient_shape
 from accum_optimizers._validation import validate_loss
 from accum_optimizers._validation import validate_weighable
@@ -340,6 +342,8 @@ class WindowStep:
         for grad, variable in zip(grads, variables):
             if grad is not None:
                 validate_gradient_shape(grad, variable)
+                validate_gradient_dtype(grad, variable)
+                validate_gradient_indices(grad, variable)
                 laid_out[self._get_variable_index(variable)] = grad
         if all(grad is None for grad in laid_out):
             raise ValueError("No gradients provided for any variable.")
