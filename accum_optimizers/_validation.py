@@ -292,3 +292,11 @@ def validate_gradient_indices(grad, variable):
             "variable's rows. Received: indices from "
             f"{indices.min()} to {indices.max()}"
         )
+
+
+def validate_gradient(grad, variable):
+    """Raises unless `grad` can be added into `variable`'s sum: its shape,
+    its dtype and, for a `tf.IndexedSlices`, its indices."""
+    validate_gradient_shape(grad, variable)
+    validate_gradient_dtype(grad, variable)
+    validate_gradient_indices(grad, variable)

@@ -147,15 +147,32 @@ def _error_text(error):
     return "\n".join(texts)
 
 
-def _train_with_fault(point, at, mode, make_error):
+def _multi_optimizer():
+    """A `MultiOptimizer` of two accumulating optimizers: Adam for the first
+    layer (called first), SGD for the last (its outputs are 2 wide)."""
+    adam = ao.AdamAccumulate(
+        learning_rate=0.05, accum_iters=ACCUM_ITERS, **NOISE
+    )
+    sgd = ao.SGDAccumulate(
+        learning_rate=0.05, momentum=0.9, accum_iters=ACCUM_ITERS, **NOISE
+    )
+    return keras.optimizers.MultiOptimizer(
+        lambda variable: sgd if variable.shape[-1] == 2 else adam
+    )
+
+
+def _train_with_fault(point, at, mode, make_error, multi=False):
     fault = Fault(make_error, at=at)
     model = model_with(
         forward=fault if point == "forward" else None,
         backward=fault if point == "backward" else None,
     )
-    optimizer = ao.AdamAccumulate(
-        learning_rate=0.05, accum_iters=ACCUM_ITERS, **NOISE
-    )
+    if multi:
+        optimizer = _multi_optimizer()
+    else:
+        optimizer = ao.AdamAccumulate(
+            learning_rate=0.05, accum_iters=ACCUM_ITERS, **NOISE
+        )
     _compile(model, optimizer, mode)
     x, y, _ = data(Run(samples=SAMPLES))
     snapshot = Snapshot(accumulating)
@@ -179,13 +196,38 @@ def _train_with_fault(point, at, mode, make_error):
 def test_an_error_in_a_micro_step_leaves_the_last_steps_state(
     mode, point, at, request
 ):
+    _check_an_error_in_a_micro_step(mode, point, at, request, multi=False)
+
+
+# Through a `MultiOptimizer` (its optimizers' variables are among its own):
+# a pending window, the closing micro-step, and the first optimizer's close.
+MULTI_CASES = [("forward", 1), ("backward", 2), ("update", 1)]
+
+
+@pytest.mark.skipif(
+    not hasattr(keras.optimizers, "MultiOptimizer"),
+    reason="this Keras has no MultiOptimizer",
+)
+@pytest.mark.parametrize("point,at", MULTI_CASES)
+@pytest.mark.parametrize("mode", MODES)
+def test_an_error_in_a_micro_step_leaves_every_inner_optimizers_state(
+    mode, point, at, request
+):
+    _check_an_error_in_a_micro_step(mode, point, at, request, multi=True)
+
+
+def _check_an_error_in_a_micro_step(mode, point, at, request, multi):
     _mark_known_hole(request, "step", (mode, point, at))
     if point in ("forward", "backward", "update") and not tap_supported(
         mode == "xla"
     ):
         pytest.skip("XLA runs no Python inside the step")
     fault, model, snapshot, error = _train_with_fault(
-        point, at, mode, lambda: RuntimeError(f"{MESSAGE}: RuntimeError")
+        point,
+        at,
+        mode,
+        lambda: RuntimeError(f"{MESSAGE}: RuntimeError"),
+        multi=multi,
     )
     assert fault.raised == 1
     assert _noise_variables(snapshot.state), "the noise scale's variables"
@@ -434,6 +476,65 @@ def test_a_call_with_a_bad_gradient_raises_and_changes_nothing(kind):
         optimizer.apply(grads, ours_vars, loss=1.0)
     parent_on_window_means(keras.optimizers.Adam(0.1), parent_vars, [window])
     assert int(optimizer.iterations) == 1
+    assert_all_close(ours_vars, parent_vars, rtol=1e-6, atol=1e-7)
+
+
+def _named_variables(seed):
+    rng = np.random.default_rng(seed)
+    return [
+        keras.Variable(rng.normal(size=shape).astype("float32"), name=name)
+        for name, shape in zip(("bias", "table"), SHAPES)
+    ]
+
+
+def _multi(sgd, adam):
+    """SGD for the bias (the map's, applied first), Adam for the table."""
+    return keras.optimizers.MultiOptimizer(
+        keras.optimizers.OptimizerMap(adam, {"bias": sgd})
+    )
+
+
+@pytest.mark.skipif(
+    not hasattr(keras.optimizers, "MultiOptimizer"),
+    reason="this Keras has no MultiOptimizer",
+)
+@pytest.mark.parametrize("kind", ["shape", "string"])
+def test_a_multi_optimizer_call_that_raises_changes_no_inner_optimizer(kind):
+    # Windows of 2, one micro-batch pending: the SGD's call would close its
+    # window before the Adam's gradient is refused, leaving the two windows
+    # a micro-batch apart from then on.
+    ours_vars, parent_vars = _named_variables(7), _named_variables(7)
+    rng = np.random.default_rng(8)
+    windows = [
+        [[rng.normal(size=s).astype("float32") for s in SHAPES] for _ in "ab"]
+        for _ in range(2)
+    ]
+    optimizer = _multi(
+        ao.SGDAccumulate(0.1, momentum=0.9, accum_iters=2, **NOISE),
+        ao.AdamAccumulate(0.1, accum_iters=2, **NOISE),
+    )
+    optimizer.apply(windows[0][0], ours_vars)
+    before = to_numpy(optimizer.variables + ours_vars)
+    bad = np.ones((3, 4), "float32") if kind == "shape" else _bad_gradient(kind)
+    with pytest.raises(ValueError, match=ours_vars[1].path):
+        optimizer.apply([windows[0][1][0], bad], ours_vars)
+    changed = [
+        v.path
+        for v, a, b in zip(
+            optimizer.variables + ours_vars,
+            to_numpy(optimizer.variables + ours_vars),
+            before,
+        )
+        if not np.array_equal(a, b, equal_nan=True)
+    ]
+    assert not changed, changed
+    for grads in windows[0][1:] + windows[1]:
+        optimizer.apply(grads, ours_vars)
+    parent = _multi(
+        keras.optimizers.SGD(0.1, momentum=0.9), keras.optimizers.Adam(0.1)
+    )
+    parent_on_window_means(parent, parent_vars, windows)
+    assert [int(o.iterations) for o in optimizer.optimizers] == [2, 2]
     assert_all_close(ours_vars, parent_vars, rtol=1e-6, atol=1e-7)
 
 
