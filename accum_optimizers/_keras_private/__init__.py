@@ -46,7 +46,9 @@ Behaviour of Keras' optimizers and trainers that the mixin relies on:
 (`variable_layout`).
 
 Backend internals: TensorFlow's `control_flow_util.GraphOrParentsInXlaContext`
-and `tf.__internal__.distribute.strategy_supports_no_merge_call`;
+and `tf.__internal__.distribute.strategy_supports_no_merge_call`; AutoGraph's
+`CONVERSION_RULES` (`tensorflow_runtime.py` adds the package's
+`DoNotConvert` rule, as TensorFlow's own tests add theirs);
 `jax.core.Tracer` (`is_jax_tracer`); torch's in-place
 `torch._foreach_add_`, `_foreach_div_`, `_foreach_zero_` and
 `_foreach_copy_` (`TORCH_FOREACH_FUNCTIONS`).
