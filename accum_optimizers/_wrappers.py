@@ -38,7 +38,11 @@ from accum_optimizers import _inputs
 from accum_optimizers import _keras_private
 from accum_optimizers._accumulation import GradientAccumulation
 from accum_optimizers._backend import outside_compiled_code
+from accum_optimizers._validation import concrete_value
 from accum_optimizers._validation import validate_gradient
+from accum_optimizers._validation import validate_loss
+from accum_optimizers._validation import validate_weighable
+from accum_optimizers._validation import validate_weight
 from accum_optimizers._window.restore import pending_restore
 
 # The Keras classes `install` patched (a second `install` leaves them be).
@@ -222,9 +226,25 @@ def _check_inner_calls(multi, grads, trainable_variables):
         multi, grads, trainable_variables
     )
     for inner, inner_grads, inner_variables in groups:
-        if _accumulates(inner):
-            inner._accum_check_call(inner_grads, inner_variables)
-            continue
-        for grad, variable in zip(inner_grads, inner_variables):
+        _check_call(inner, inner_grads, inner_variables)
+
+
+def _check_call(optimizer, grads, variables):
+    """Raises where `optimizer.apply(grads, variables)` would, writing
+    nothing and leaving what `_inputs` holds for the call in place."""
+    if not (_accumulates(optimizer) and optimizer._accumulates):
+        # The parent's `apply`: its gradients are cast to the variables.
+        for grad, variable in zip(grads, variables):
             if grad is not None:
                 validate_gradient(grad, variable)
+        return
+    pending = _inputs.peek(optimizer)
+    validate_loss(pending.loss)
+    handoff = pending.handoff
+    if handoff is not None:
+        validate_weighable(optimizer.accumulator_dtype)
+        value = concrete_value(handoff.weight) if handoff.check else None
+        if value is not None:
+            zero_allowed = optimizer._accum_zero_weight_allowed()
+            validate_weight(value, handoff.weight, zero_allowed)
+    optimizer._accum_gradients_of_every_variable(list(grads), variables)

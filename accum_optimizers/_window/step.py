@@ -126,34 +126,6 @@ class WindowStep:
         finally:
             _inputs.discard(self)  # left over only if it raised early
 
-    def _accum_check_call(self, grads, trainable_variables):
-        """Raises where `apply(grads, trainable_variables)` would, writing
-        nothing and leaving what `_inputs` holds for the call in place: a
-        wrapper that applies several optimizers (`MultiOptimizer`) checks
-        every one's call before any of them writes.
-
-        Args:
-            grads: one gradient (or `None`) per variable.
-            trainable_variables: the variables, in the order of `grads`.
-        """
-        if not self._accumulates:
-            for grad, variable in zip(grads, trainable_variables):
-                if grad is not None:
-                    validate_gradient(grad, variable)
-            return
-        pending = _inputs.peek(self)
-        validate_loss(pending.loss)
-        handoff = pending.handoff
-        if handoff is not None:
-            validate_weighable(self.accumulator_dtype)
-            value = concrete_value(handoff.weight) if handoff.check else None
-            if value is not None:
-                zero_allowed = self._accum_zero_weight_allowed()
-                validate_weight(value, handoff.weight, zero_allowed)
-        self._accum_gradients_of_every_variable(
-            list(grads), trainable_variables
-        )
-
     def _accum_apply(self, grads, trainable_variables, micro_batch):
         """`apply` once its inputs are checked (`micro_batch`)."""
         if not self._accumulates:
