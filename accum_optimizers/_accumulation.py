@@ -322,7 +322,25 @@ class GradientAccumulation(
             config["accum_iters"] = keras.saving.deserialize_keras_object(
                 accum_iters, custom_objects=custom_objects
             )
+        _check_saved_arguments(cls, config)
         return super().from_config(config, custom_objects=custom_objects)
+
+
+def _check_saved_arguments(cls, config):
+    """Raises a `ValueError` that leads with the reason where an
+    accumulation argument in `config` (a saved or edited configuration of
+    `cls`) is refused.
+
+    Keras wraps a `TypeError` raised by `from_config` in its generic "could
+    not be deserialized properly" message, which prints the whole config
+    and ends with ours; it passes a `ValueError` on as it is.
+    """
+    try:
+        _args.checked(config)
+    except TypeError as error:
+        raise ValueError(
+            f"{error}. In the saved configuration of {cls.__name__}."
+        ) from None
 
 
 if GradientAccumulation.__doc__:  # None under `python -OO`

@@ -11,6 +11,7 @@ import inspect
 import numpy as np
 
 from accum_optimizers import schedules
+from accum_optimizers._validation import is_real_number
 from accum_optimizers._validation import validate_accumulator_dtype
 from accum_optimizers._validation import validate_decay
 
@@ -56,8 +57,7 @@ def _check_measure_noise_scale(value):
 
 
 def _check_noise_scale_momentum(value):
-    number = isinstance(value, (int, float, np.integer, np.floating))
-    if not number or isinstance(value, (bool, np.bool_)) or not 0 <= value < 1:
+    if not is_real_number(value) or not 0 <= value < 1:
         raise ValueError(
             "`noise_scale_momentum` must be a number in [0, 1). Received: "
             f"noise_scale_momentum={value!r}"

@@ -109,6 +109,12 @@ def handoff_of(optimizer):
     return None if entry is None else entry.handoff
 
 
+def peek(optimizer):
+    """What was put for `optimizer`'s next `apply`, left in place: a
+    `Pending`."""
+    return _pending().get(id(optimizer)) or Pending()
+
+
 def take(optimizer):
     """What was put for `optimizer`'s next `apply`, removed: a `Pending`."""
     return _pending().pop(id(optimizer), None) or Pending()

@@ -16,6 +16,7 @@ from accum_optimizers._backend import compiled_peak
 from accum_optimizers._backend import free_device_memory
 from accum_optimizers._backend import is_out_of_memory
 from accum_optimizers._backend import reset_allocator_peak
+from accum_optimizers._validation import is_real_number
 from accum_optimizers._window.counts import regroup_window
 
 _UNITS = {
@@ -41,12 +42,7 @@ def memory_limit_bytes(value):
         match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", value)
         unit = match and _UNITS.get(match.group(2).lower())
         number = unit and float(match.group(1)) * unit
-    if (
-        isinstance(number, bool)
-        or not isinstance(number, (int, float, np.number))
-        or not np.isfinite(number)
-        or number < 1
-    ):
+    if not is_real_number(number) or not np.isfinite(number) or number < 1:
         raise ValueError(
             "`memory_limit` must be a number of bytes >= 1 (an int, or a "
             "string such as '12GiB' or '500MB'). Received: "

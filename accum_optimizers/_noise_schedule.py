@@ -5,6 +5,9 @@ from keras import ops
 from keras.saving import register_keras_serializable
 
 from accum_optimizers._schedule_base import AccumSchedule
+from accum_optimizers._validation import is_integer
+from accum_optimizers._validation import is_real_number
+from accum_optimizers._validation import plain_number
 from accum_optimizers._validation import validate_positive_ints
 
 _PACKAGE = "accum_optimizers"
@@ -79,10 +82,9 @@ class NoiseScaleAccumIters(AccumSchedule):
         grow_only=True,
         warmup_windows=20,
     ):
-        number = isinstance(micro_batch_size, (int, float)) and not isinstance(
-            micro_batch_size, bool
-        )
-        if not number or not 0 < micro_batch_size < float("inf"):
+        if not is_real_number(micro_batch_size) or not (
+            0 < micro_batch_size < float("inf")
+        ):
             raise ValueError(
                 "`micro_batch_size` must be a finite number > 0. Received: "
                 f"micro_batch_size={micro_batch_size!r}"
@@ -102,17 +104,13 @@ class NoiseScaleAccumIters(AccumSchedule):
             raise TypeError(
                 f"`grow_only` must be a bool. Received: grow_only={grow_only!r}"
             )
-        if (
-            not isinstance(warmup_windows, int)
-            or isinstance(warmup_windows, bool)
-            or warmup_windows < 0
-        ):
+        if not is_integer(warmup_windows) or warmup_windows < 0:
             raise ValueError(
                 "`warmup_windows` must be an integer >= 0. Received: "
                 f"warmup_windows={warmup_windows!r}"
             )
-        self.warmup_windows = warmup_windows
-        self.micro_batch_size = micro_batch_size
+        self.warmup_windows = int(warmup_windows)
+        self.micro_batch_size = plain_number(micro_batch_size)
         self.floor, self.ceiling = int(floor), int(ceiling)
         self.grow_only = grow_only
         self.min_accum_iters = self.floor

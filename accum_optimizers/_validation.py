@@ -20,15 +20,35 @@ MIN_WEIGHT = float(np.finfo(np.float32).tiny)
 MAX_ACCUM_ITERS = 2**31 - 1
 
 
+def is_real_number(value):
+    """Whether `value` is a real number: a Python or numpy integer or
+    floating scalar (`numbers.Real`), not a bool (which `numbers` counts as
+    an integer)."""
+    return isinstance(value, numbers.Real) and not isinstance(
+        value, (bool, np.bool_)
+    )
+
+
+def is_integer(value):
+    """Whether `value` is a Python or numpy integer, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(
+        value, (bool, np.bool_)
+    )
+
+
+def plain_number(value):
+    """`value` (a real number) as a Python `int` or `float`: what configs
+    hold (JSON has no numpy scalars)."""
+    return int(value) if is_integer(value) else float(value)
+
+
 def validate_accum_iters(accum_iters):
     """Returns `accum_iters` as a plain `int` in `[1, 2**31 - 1]`.
 
     Accepts Python and numpy integers (tuners supply `numpy.int64`); refuses
     anything else, floats included, naming the value.
     """
-    if isinstance(accum_iters, (bool, np.bool_)) or not isinstance(
-        accum_iters, numbers.Integral
-    ):
+    if not is_integer(accum_iters):
         raise TypeError(
             "`accum_iters` must be an integer >= 1. Received: "
             f"accum_iters={accum_iters!r} "
@@ -68,11 +88,7 @@ def validate_boundaries(boundaries):
         for key, value in boundaries.items():
             if isinstance(key, str) and key.isdigit():
                 key = int(key)
-            if (
-                isinstance(key, (bool, np.bool_))
-                or not isinstance(key, numbers.Integral)
-                or key < 0
-            ):
+            if not is_integer(key) or key < 0:
                 problem = f"has a key that is not an integer >= 0: {key!r}"
                 break
             try:
@@ -113,12 +129,7 @@ def validate_decay(decay):
     """Returns the Keras 2 time decay as a float, or `None` for no decay."""
     if decay is None:
         return None
-    valid = (
-        isinstance(decay, numbers.Real)
-        and not isinstance(decay, (bool, np.bool_))
-        and math.isfinite(decay)
-        and decay >= 0
-    )
+    valid = is_real_number(decay) and math.isfinite(decay) and decay >= 0
     with np.errstate(over="ignore"):
         valid = valid and math.isfinite(np.float32(decay))
     if not valid:
@@ -238,3 +249,54 @@ def validate_gradient_shape(grad, variable):
             f"{dims}, but the variable has shape {expected}; they must be "
             "equal (a gradient is never broadcast)."
         )
+
+
+def validate_gradient_dtype(grad, variable):
+    """Raises unless `grad` (a tensor, an array or a `tf.IndexedSlices`)
+    has a floating-point dtype, which the cast into the window's sum takes.
+
+    A string gradient fails in that cast and an integer one is not a
+    gradient; either would fail or round after the window's counters were
+    written.
+    """
+    dtype = getattr(grad, "dtype", None)
+    if dtype is None:  # a list or a Python number
+        dtype = np.asarray(grad).dtype
+    try:
+        name = backend.standardize_dtype(dtype)
+    except (ValueError, TypeError, AttributeError):
+        name = getattr(dtype, "name", str(dtype))
+    if not name.startswith(("float", "bfloat")):
+        raise ValueError(
+            f"The gradient for variable '{variable.path}' has dtype {name}, "
+            "but a gradient must have a floating-point dtype (it is cast to "
+            "the window's sum, of a float dtype)."
+        )
+
+
+def validate_gradient_indices(grad, variable):
+    """Raises unless a concrete `tf.IndexedSlices` gradient's indices are
+    rows of `variable`, `[0, rows)`: the scatter into the window's sum
+    would write the rows before the first one out of range, and fail.
+    Traced indices are not checked (the graph's scatter fails on them)."""
+    if not hasattr(grad, "dense_shape"):  # not a tf.IndexedSlices
+        return
+    indices = concrete_value(grad.indices)
+    if indices is None or indices.size == 0:
+        return
+    rows = tuple(variable.shape)[0]
+    if indices.min() < 0 or indices.max() >= rows:
+        raise ValueError(
+            f"The gradient for variable '{variable.path}' is a "
+            f"`tf.IndexedSlices` whose indices must be in [0, {rows}), the "
+            "variable's rows. Received: indices from "
+            f"{indices.min()} to {indices.max()}"
+        )
+
+
+def validate_gradient(grad, variable):
+    """Raises unless `grad` can be added into `variable`'s sum: its shape,
+    its dtype and, for a `tf.IndexedSlices`, its indices."""
+    validate_gradient_shape(grad, variable)
+    validate_gradient_dtype(grad, variable)
+    validate_gradient_indices(grad, variable)

@@ -16,6 +16,9 @@
 
 `keras.optimizers.MultiOptimizer` (where the installed Keras has one):
 
+- `apply` checks every inner optimizer's call (gradients, weight, loss)
+  before any inner optimizer writes: one that raised after another had
+  closed its window would leave their windows a micro-batch apart;
 - `scale_loss` passes `fit`'s loss on to the inner accumulating optimizers;
 - `apply` checks every gradient for finiteness once and hands the result to
   the inner optimizers with `skip_nonfinite=True`, so that they skip the
@@ -32,8 +35,14 @@ import keras
 import numpy as np
 
 from accum_optimizers import _inputs
+from accum_optimizers import _keras_private
 from accum_optimizers._accumulation import GradientAccumulation
 from accum_optimizers._backend import outside_compiled_code
+from accum_optimizers._validation import concrete_value
+from accum_optimizers._validation import validate_gradient
+from accum_optimizers._validation import validate_loss
+from accum_optimizers._validation import validate_weighable
+from accum_optimizers._validation import validate_weight
 from accum_optimizers._window.restore import pending_restore
 
 # The Keras classes `install` patched (a second `install` leaves them be).
@@ -177,6 +186,7 @@ def _install_multi_optimizer():
         return scale_loss(self, loss)
 
     def agreeing_apply(self, grads, trainable_variables=None):
+        _check_inner_calls(self, grads, trainable_variables)
         skipping = [o for o in accumulating(self) if o.skip_nonfinite]
         if skipping and len(grads):
             finite = skipping[0]._accum_all_finite(grads)
@@ -192,3 +202,49 @@ def _install_multi_optimizer():
     cls.scale_loss = noting_scale_loss
     cls.apply = agreeing_apply
     _PATCHED.add(cls)
+
+
+def _check_inner_calls(multi, grads, trainable_variables):
+    """Raises where an inner optimizer's `apply` would in
+    `multi.apply(grads, trainable_variables)`, before any of them writes.
+
+    Keras' own checks (the count of gradients, an unbuilt `multi` without
+    variables, a variable it was not built with) raise before any inner
+    optimizer is called: they are left to it.
+    """
+    if not any(_accumulates(o) for o in multi.optimizers) or not len(grads):
+        return
+    if trainable_variables is None:
+        if not multi.built:
+            return
+        trainable_variables = multi._trainable_variables
+    if not multi.built:
+        multi.build(trainable_variables)  # as `apply` does first
+    if len(grads) != len(trainable_variables):
+        return
+    groups = _keras_private.multi_optimizer_groups(
+        multi, grads, trainable_variables
+    )
+    for inner, inner_grads, inner_variables in groups:
+        _check_call(inner, inner_grads, inner_variables)
+
+
+def _check_call(optimizer, grads, variables):
+    """Raises where `optimizer.apply(grads, variables)` would, writing
+    nothing and leaving what `_inputs` holds for the call in place."""
+    if not (_accumulates(optimizer) and optimizer._accumulates):
+        # The parent's `apply`: its gradients are cast to the variables.
+        for grad, variable in zip(grads, variables):
+            if grad is not None:
+                validate_gradient(grad, variable)
+        return
+    pending = _inputs.peek(optimizer)
+    validate_loss(pending.loss)
+    handoff = pending.handoff
+    if handoff is not None:
+        validate_weighable(optimizer.accumulator_dtype)
+        value = concrete_value(handoff.weight) if handoff.check else None
+        if value is not None:
+            zero_allowed = optimizer._accum_zero_weight_allowed()
+            validate_weight(value, handoff.weight, zero_allowed)
+    optimizer._accum_gradients_of_every_variable(list(grads), variables)

@@ -51,7 +51,14 @@ def get(identifier):
         if len(boundaries) == 1:
             return boundaries[0]
         return PiecewiseConstantAccumIters(boundaries)
-    return validate_accum_iters(identifier)
+    try:
+        return validate_accum_iters(identifier)
+    except TypeError:
+        raise TypeError(
+            "`accum_iters` must be an integer >= 1, a dict `{update: k}` "
+            f"or an `AccumSchedule`. Received: accum_iters={identifier!r} "
+            f"(of type {type(identifier).__name__})"
+        ) from None
 
 
 @register_keras_serializable(package=_PACKAGE)

@@ -17,6 +17,7 @@ the backward pass; the close only waits for it.
 import keras
 
 from accum_optimizers._backend import NEEDS_WINDOW_SYNC
+from accum_optimizers._validation import is_real_number
 
 # DDP's default bucket size (`bucket_cap_mb`).
 DEFAULT_BUCKET_CAP_MB = 25
@@ -102,9 +103,12 @@ def sync_windows(
             "the parent optimizer runs unchanged: let DDP exchange the "
             "gradients."
         )
-    if not bucket_cap_mb > 0:
+    if not (
+        is_real_number(bucket_cap_mb) and 0 < bucket_cap_mb < float("inf")
+    ):
         raise ValueError(
-            f"bucket_cap_mb must be > 0; got bucket_cap_mb={bucket_cap_mb!r}."
+            "`bucket_cap_mb` must be a finite number > 0. Received: "
+            f"bucket_cap_mb={bucket_cap_mb!r}"
         )
     if model is not None and not hasattr(model, "trainable_variables"):
         raise ValueError(

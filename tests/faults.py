@@ -14,6 +14,8 @@ The points, each through public Keras: the data (`FailingData`, a
 (`Tripwire(backward=True)`: a custom gradient), the parent's update
 (`patch_parent_update_step`: the Keras parent class's `update_step`, which
 the window's close calls once per variable) and a callback (`FailingCallback`).
+The model's optimizer may be a `MultiOptimizer` of accumulating optimizers:
+`state_of` reads every inner optimizer's state.
 """
 
 import contextlib
@@ -236,11 +238,21 @@ class Snapshot(keras.callbacks.Callback):
 
 
 def state_of(model, optimizer):
+    """The model's weights and the optimizer's variables, by path; under a
+    `MultiOptimizer`, every inner optimizer's. (The wrapper's own
+    `iteration` is Keras' count of its calls, which a TensorFlow graph adds
+    to without waiting for the step's gradients, as Keras' optimizers do
+    their `iterations`.)"""
+    multi = getattr(keras.optimizers, "MultiOptimizer", ())
+    optimizers = (
+        optimizer.optimizers if isinstance(optimizer, multi) else [optimizer]
+    )
     return {
         "weights": [np.array(w) for w in model.get_weights()],
         "optimizer": {
             v.path: np.array(keras.ops.convert_to_numpy(v.value))
-            for v in optimizer.variables
+            for inner in optimizers
+            for v in inner.variables
         },
     }
 

@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 from helpers import PARENTS
 
+from accum_optimizers import AccumulationLogger
 from accum_optimizers import AdamAccumulate
 from accum_optimizers import RMSpropAccumulate
 from accum_optimizers import SGDAccumulate
+from accum_optimizers import schedules
 
 CLASSES = list(PARENTS)
 
@@ -179,3 +181,112 @@ def test_schedule_learning_rate_round_trips():
     optimizer = AdamAccumulate(learning_rate=schedule, accum_iters=2)
     restored = AdamAccumulate.from_config(optimizer.get_config())
     assert restored.get_config() == optimizer.get_config()
+
+
+# -- Numbers: every real number type, never a bool ----------------------------
+
+INTEGER_TYPES = [int, np.int8, np.uint16, np.int32, np.int64]
+NUMBER_TYPES = INTEGER_TYPES + [float, np.float16, np.float32, np.float64]
+
+
+def _by_noise_scale(**arguments):
+    return schedules.by_noise_scale(**{"micro_batch_size": 8, **arguments})
+
+
+def _quietly(make):
+    """`make`, without the Keras 2 spelling's deprecation warning."""
+
+    def made(value):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return make(value)
+
+    return made
+
+
+# name: (make an object from the value, the value it keeps, a valid value
+# for integer types, one for floating types (`None`: integers only)).
+NUMERIC_ARGUMENTS = {
+    "accum_iters": (
+        lambda v: AdamAccumulate(accum_iters=v),
+        lambda o: o.accum_iters,
+        3,
+        None,
+    ),
+    "noise_scale_momentum": (
+        lambda v: AdamAccumulate(noise_scale_momentum=v),
+        lambda o: o.noise_scale_momentum,
+        0,
+        0.5,
+    ),
+    "decay": (
+        _quietly(lambda v: SGDAccumulate(decay=v)),
+        lambda o: o.decay,
+        2,
+        0.25,
+    ),
+    "micro_batch_size": (
+        lambda v: _by_noise_scale(micro_batch_size=v),
+        lambda o: o.micro_batch_size,
+        16,
+        0.5,
+    ),
+    "floor": (lambda v: _by_noise_scale(floor=v), lambda o: o.floor, 3, None),
+    "ceiling": (
+        lambda v: _by_noise_scale(ceiling=v),
+        lambda o: o.ceiling,
+        9,
+        None,
+    ),
+    "warmup_windows": (
+        lambda v: _by_noise_scale(warmup_windows=v),
+        lambda o: o.warmup_windows,
+        4,
+        None,
+    ),
+    "ramp_updates": (
+        lambda v: schedules.LinearRamp(1, 4, ramp_updates=v),
+        lambda o: o.ramp_updates,
+        10,
+        None,
+    ),
+    "batch_size": (
+        lambda v: AccumulationLogger(batch_size=v),
+        lambda o: o.batch_size,
+        32,
+        None,
+    ),
+    "update_freq": (
+        lambda v: AccumulationLogger(update_freq=v),
+        lambda o: o.update_freq,
+        5,
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "name, kind",
+    [
+        (name, kind)
+        for name, (*_, float_value) in NUMERIC_ARGUMENTS.items()
+        for kind in (INTEGER_TYPES if float_value is None else NUMBER_TYPES)
+    ],
+    ids=lambda v: getattr(v, "__name__", v),
+)
+def test_a_numeric_argument_takes_every_real_number_type(name, kind):
+    # "Number > 0" in the docs covers numpy scalars (tuners draw them); the
+    # kept value is a Python number, which configs and JSON hold.
+    make, read, int_value, float_value = NUMERIC_ARGUMENTS[name]
+    integer = np.issubdtype(kind, np.integer) or kind is int
+    value = int_value if integer else float_value
+    kept = read(make(kind(value)))
+    assert kept == value and type(kept) in (int, float), (kept, type(kept))
+
+
+@pytest.mark.parametrize("bad", [True, np.True_], ids=repr)
+@pytest.mark.parametrize("name", sorted(NUMERIC_ARGUMENTS))
+def test_a_numeric_argument_refuses_a_bool_naming_it(name, bad):
+    make = NUMERIC_ARGUMENTS[name][0]
+    with pytest.raises((TypeError, ValueError), match=f"{name}={bad!r}"):
+        make(bad)

@@ -161,6 +161,39 @@ def test_compiled_custom_loop_equals_parent_big_batch():
     assert_same_state(ours, parent_model, our_model, parent)
 
 
+@pytest.mark.backends("tensorflow")
+def test_a_tf_function_loop_runs_our_code_as_written_and_says_nothing(
+    capfd, caplog
+):
+    # Keras' guide to a training loop from scratch: `tf.function` around the
+    # tape and `apply`. AutoGraph converts what such a function calls; it
+    # must leave our methods as written (as `fit` does), without its "could
+    # not transform ... report this to the TensorFlow team" warning.
+    import warnings
+
+    import tensorflow as tf
+
+    tf.autograph.set_verbosity(0)  # the default
+    x, y = regression_data(12, WINDOWS * K * B)
+    parent_model, our_model = small_model(12), small_model(12)
+    parent = keras.optimizers.Adam(0.01)
+    ours = AdamAccumulate(0.01, accum_iters=K)
+    step = compiled_step(our_model, ours)
+    capfd.readouterr()
+    recording = warnings.catch_warnings(record=True)
+    with caplog.at_level("INFO"), recording as caught:
+        warnings.simplefilter("always")
+        for start in range(0, len(x), B):
+            step(x[start : start + B], y[start : start + B])
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", ""), out + err
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    assert not caught, [str(w.message) for w in caught]
+    train_in_batches(parent, parent_model, x, y, K * B)
+    assert int(ours.iterations) == WINDOWS
+    assert_same_state(ours, parent_model, our_model, parent)
+
+
 @pytest.mark.backends("jax")
 def test_jax_update_math_runs_inside_the_gate_loop():
     """The jitted step holds one `while` (zero trips or one) whose body

@@ -45,6 +45,10 @@ from fuzz_runs import assert_same_run
 from fuzz_runs import data
 from fuzz_runs import outcome
 from fuzz_runs import train_parent_to_memory
+from helpers import assert_all_close
+from helpers import parent_on_window_means
+from helpers import random_variables
+from helpers import to_numpy
 from modes import MODES
 
 import accum_optimizers as ao
@@ -143,15 +147,32 @@ def _error_text(error):
     return "\n".join(texts)
 
 
-def _train_with_fault(point, at, mode, make_error):
+def _multi_optimizer():
+    """A `MultiOptimizer` of two accumulating optimizers: Adam for the first
+    layer (called first), SGD for the last (its outputs are 2 wide)."""
+    adam = ao.AdamAccumulate(
+        learning_rate=0.05, accum_iters=ACCUM_ITERS, **NOISE
+    )
+    sgd = ao.SGDAccumulate(
+        learning_rate=0.05, momentum=0.9, accum_iters=ACCUM_ITERS, **NOISE
+    )
+    return keras.optimizers.MultiOptimizer(
+        lambda variable: sgd if variable.shape[-1] == 2 else adam
+    )
+
+
+def _train_with_fault(point, at, mode, make_error, multi=False):
     fault = Fault(make_error, at=at)
     model = model_with(
         forward=fault if point == "forward" else None,
         backward=fault if point == "backward" else None,
     )
-    optimizer = ao.AdamAccumulate(
-        learning_rate=0.05, accum_iters=ACCUM_ITERS, **NOISE
-    )
+    if multi:
+        optimizer = _multi_optimizer()
+    else:
+        optimizer = ao.AdamAccumulate(
+            learning_rate=0.05, accum_iters=ACCUM_ITERS, **NOISE
+        )
     _compile(model, optimizer, mode)
     x, y, _ = data(Run(samples=SAMPLES))
     snapshot = Snapshot(accumulating)
@@ -175,13 +196,38 @@ def _train_with_fault(point, at, mode, make_error):
 def test_an_error_in_a_micro_step_leaves_the_last_steps_state(
     mode, point, at, request
 ):
+    _check_an_error_in_a_micro_step(mode, point, at, request, multi=False)
+
+
+# Through a `MultiOptimizer` (its optimizers' variables are among its own):
+# a pending window, the closing micro-step, and the first optimizer's close.
+MULTI_CASES = [("forward", 1), ("backward", 2), ("update", 1)]
+
+
+@pytest.mark.skipif(
+    not hasattr(keras.optimizers, "MultiOptimizer"),
+    reason="this Keras has no MultiOptimizer",
+)
+@pytest.mark.parametrize("point,at", MULTI_CASES)
+@pytest.mark.parametrize("mode", MODES)
+def test_an_error_in_a_micro_step_leaves_every_inner_optimizers_state(
+    mode, point, at, request
+):
+    _check_an_error_in_a_micro_step(mode, point, at, request, multi=True)
+
+
+def _check_an_error_in_a_micro_step(mode, point, at, request, multi):
     _mark_known_hole(request, "step", (mode, point, at))
     if point in ("forward", "backward", "update") and not tap_supported(
         mode == "xla"
     ):
         pytest.skip("XLA runs no Python inside the step")
     fault, model, snapshot, error = _train_with_fault(
-        point, at, mode, lambda: RuntimeError(f"{MESSAGE}: RuntimeError")
+        point,
+        at,
+        mode,
+        lambda: RuntimeError(f"{MESSAGE}: RuntimeError"),
+        multi=multi,
     )
     assert fault.raised == 1
     assert _noise_variables(snapshot.state), "the noise scale's variables"
@@ -369,6 +415,127 @@ def test_a_call_with_a_bad_argument_raises_and_changes_nothing(bad, request):
         )
     ]
     assert not changed, changed
+
+
+# -- A gradient that passes the shape check and cannot be added ---------------
+
+SHAPES = [(3,), (4, 3)]  # a bias, then a table: the bad gradient is the 2nd's
+
+
+def _bad_gradient(kind):
+    """A gradient for a (4, 3) variable, of the right shape, that the
+    window's sum cannot take."""
+    if kind == "string":
+        return np.full((4, 3), "a")
+    if kind == "int32":
+        return np.ones((4, 3), "int32")
+    import tensorflow as tf
+
+    # Rows 1 and 4 of a 4-row variable: the scatter would write row 1.
+    return tf.IndexedSlices(
+        tf.ones((2, 3)), tf.constant([1, 4]), tf.constant([4, 3])
+    )
+
+
+BAD_GRADIENTS = {
+    "string": "dtype str",
+    "int32": "dtype int32",
+    **(
+        {"IndexedSlices-out-of-range": r"indices must be in \[0, 4\)"}
+        if BACKEND == "tensorflow"
+        else {}
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_GRADIENTS))
+def test_a_call_with_a_bad_gradient_raises_and_changes_nothing(kind):
+    # Windows of 3; the refused call comes with one micro-batch pending,
+    # and the window then closes with the next two, exactly like the parent
+    # on the window's mean.
+    ours_vars = random_variables(5, SHAPES)
+    parent_vars = random_variables(5, SHAPES)
+    rng = np.random.default_rng(6)
+    window = [
+        [rng.normal(size=s).astype("float32") for s in SHAPES] for _ in range(3)
+    ]
+    optimizer = ao.AdamAccumulate(0.1, accum_iters=3, **NOISE)
+    optimizer.apply(window[0], ours_vars, loss=1.0)
+    before = to_numpy(optimizer.variables + ours_vars)
+    with pytest.raises(ValueError, match=BAD_GRADIENTS[kind]) as raised:
+        optimizer.apply([window[1][0], _bad_gradient(kind)], ours_vars)
+    assert ours_vars[1].path in str(raised.value)
+    after = to_numpy(optimizer.variables + ours_vars)
+    changed = [
+        v.path
+        for v, a, b in zip(optimizer.variables + ours_vars, after, before)
+        if not np.array_equal(a, b, equal_nan=True)
+    ]
+    assert not changed, changed
+    for grads in window[1:]:
+        optimizer.apply(grads, ours_vars, loss=1.0)
+    parent_on_window_means(keras.optimizers.Adam(0.1), parent_vars, [window])
+    assert int(optimizer.iterations) == 1
+    assert_all_close(ours_vars, parent_vars, rtol=1e-6, atol=1e-7)
+
+
+def _named_variables(seed):
+    rng = np.random.default_rng(seed)
+    return [
+        keras.Variable(rng.normal(size=shape).astype("float32"), name=name)
+        for name, shape in zip(("bias", "table"), SHAPES)
+    ]
+
+
+def _multi(sgd, adam):
+    """SGD for the bias (the map's, applied first), Adam for the table."""
+    return keras.optimizers.MultiOptimizer(
+        keras.optimizers.OptimizerMap(adam, {"bias": sgd})
+    )
+
+
+@pytest.mark.skipif(
+    not hasattr(keras.optimizers, "MultiOptimizer"),
+    reason="this Keras has no MultiOptimizer",
+)
+@pytest.mark.parametrize("kind", ["shape", "string"])
+def test_a_multi_optimizer_call_that_raises_changes_no_inner_optimizer(kind):
+    # Windows of 2, one micro-batch pending: the SGD's call would close its
+    # window before the Adam's gradient is refused, leaving the two windows
+    # a micro-batch apart from then on.
+    ours_vars, parent_vars = _named_variables(7), _named_variables(7)
+    rng = np.random.default_rng(8)
+    windows = [
+        [[rng.normal(size=s).astype("float32") for s in SHAPES] for _ in "ab"]
+        for _ in range(2)
+    ]
+    optimizer = _multi(
+        ao.SGDAccumulate(0.1, momentum=0.9, accum_iters=2, **NOISE),
+        ao.AdamAccumulate(0.1, accum_iters=2, **NOISE),
+    )
+    optimizer.apply(windows[0][0], ours_vars)
+    before = to_numpy(optimizer.variables + ours_vars)
+    bad = np.ones((3, 4), "float32") if kind == "shape" else _bad_gradient(kind)
+    with pytest.raises(ValueError, match=ours_vars[1].path):
+        optimizer.apply([windows[0][1][0], bad], ours_vars)
+    changed = [
+        v.path
+        for v, a, b in zip(
+            optimizer.variables + ours_vars,
+            to_numpy(optimizer.variables + ours_vars),
+            before,
+        )
+        if not np.array_equal(a, b, equal_nan=True)
+    ]
+    assert not changed, changed
+    for grads in windows[0][1:] + windows[1]:
+        optimizer.apply(grads, ours_vars)
+    parent = _multi(
+        keras.optimizers.SGD(0.1, momentum=0.9), keras.optimizers.Adam(0.1)
+    )
+    parent_on_window_means(parent, parent_vars, windows)
+    assert [int(o.iterations) for o in optimizer.optimizers] == [2, 2]
+    assert_all_close(ours_vars, parent_vars, rtol=1e-6, atol=1e-7)
 
 
 # -- A negative normalizer at each micro-step of a window ---------------------

@@ -257,6 +257,33 @@ def test_is_multi_optimizer():
         assert _keras_private.is_multi_optimizer(multi)
 
 
+@pytest.mark.skipif(
+    not hasattr(keras.optimizers, "MultiOptimizer"),
+    reason="this Keras has no MultiOptimizer",
+)
+def test_multi_optimizer_groups_are_what_apply_hands_each_inner_one():
+    sgd, adam = keras.optimizers.SGD(), keras.optimizers.Adam()
+    multi = keras.optimizers.MultiOptimizer(
+        keras.optimizers.OptimizerMap(adam, {"b.*": sgd})
+    )
+    variables = [
+        keras.Variable(np.zeros(2, "float32"), name=name)
+        for name in ("a1", "b1", "a2")
+    ]
+    multi.build(variables)
+    grads = _grads(variables)
+    handed = []
+    for inner in (sgd, adam):
+        inner.apply = lambda g, v, inner=inner: handed.append((inner, g, v))
+    multi.apply(grads, variables)
+    groups = _keras_private.multi_optimizer_groups(multi, grads, variables)
+    assert [(o, list(g), list(v)) for o, g, v in groups] == [
+        (o, list(g), list(v)) for o, g, v in handed
+    ]
+    assert [o for o, *_ in groups] == [sgd, adam]
+    assert [v.name for v in groups[1][2]] == ["a1", "a2"]
+
+
 def test_batch_normalization_reduction_axes_and_moments():
     layer = keras.layers.BatchNormalization(axis=-1)
     inputs = np.arange(24, dtype="float32").reshape(2, 3, 4)

@@ -1,5 +1,8 @@
 """Saving and loading: `.keras` files, `custom_objects`, resuming mid-window."""
 
+import json
+import zipfile
+
 import keras
 import pytest
 from helpers import PARENTS
@@ -113,6 +116,31 @@ def test_loading_state_of_another_configuration_fails_loudly(tmp_path):
     other.optimizer.build(other.trainable_variables)
     with pytest.raises(ValueError, match="different optimizer or config"):
         other.load_weights(path)
+
+
+@pytest.mark.parametrize("bad", [2.0, "2", True], ids=repr)
+def test_an_edited_keras_file_with_a_bad_accum_iters_says_so_first(
+    bad, tmp_path
+):
+    # Keras buries a `TypeError` of `from_config` at the end of its generic
+    # "could not be deserialized properly" message; the reason must lead.
+    saved = tmp_path / "saved.keras"
+    _compiled(AdamAccumulate, 4).save(saved)
+    edited = tmp_path / "edited.keras"
+    with zipfile.ZipFile(saved) as source:
+        files = {name: source.read(name) for name in source.namelist()}
+    config = json.loads(files["config.json"])
+    config["compile_config"]["optimizer"]["config"]["accum_iters"] = bad
+    files["config.json"] = json.dumps(config).encode()
+    with zipfile.ZipFile(edited, "w") as target:
+        for name, content in files.items():
+            target.writestr(name, content)
+    with pytest.raises(ValueError) as raised:
+        keras.saving.load_model(edited)
+    first_line = str(raised.value).splitlines()[0]
+    assert first_line.startswith("`accum_iters` must be an integer >= 1")
+    assert f"accum_iters={bad!r}" in first_line, first_line
+    assert "AccumSchedule" in first_line, first_line
 
 
 def test_loading_plain_keras_adam_state_into_accumulating_fails_loudly(

@@ -37,6 +37,8 @@ def test_sync_windows_refuses_what_it_cannot_sync():
         sync_windows(keras.optimizers.Adam())
     with pytest.raises(ValueError, match="bucket_cap_mb=0"):
         sync_windows(AdamAccumulate(accum_iters=2), bucket_cap_mb=0)
+    with pytest.raises(ValueError, match="bucket_cap_mb=True"):
+        sync_windows(AdamAccumulate(accum_iters=2), bucket_cap_mb=True)
     with pytest.raises(ValueError, match="model=<object"):
         sync_windows(AdamAccumulate(accum_iters=2), model=object())
     with pytest.raises(ValueError, match="weigh_next_backward"):

@@ -38,7 +38,9 @@ Behaviour of Keras' optimizers and trainers that the mixin relies on:
   optimizer the loss, for `window_loss`). On JAX `scale_loss` runs inside
   `jax.value_and_grad`: the loss is read instead from the train step's
   local `unscaled_loss` (`jax_train_step_loss`).
-- `MultiOptimizer` (`optimizers`, `apply`, `scale_loss`) and
+- `MultiOptimizer` (`optimizers`, `apply`, `scale_loss`; and
+  `_var_to_optimizer_idx`, `_var_key`: which inner optimizer `apply` hands
+  each gradient to, `multi_optimizer_groups`) and
   `LossScaleOptimizer` (`inner_optimizer`, `apply`, `stateless_apply`,
   `scale_loss`) are patched by `_multi_optimizer.py` and `_loss_scale.py`.
 
@@ -47,7 +49,9 @@ Behaviour of Keras' optimizers and trainers that the mixin relies on:
 (`variable_layout`).
 
 Backend internals: TensorFlow's `control_flow_util.GraphOrParentsInXlaContext`
-and `tf.__internal__.distribute.strategy_supports_no_merge_call`;
+and `tf.__internal__.distribute.strategy_supports_no_merge_call`; AutoGraph's
+`CONVERSION_RULES` (`tensorflow_runtime.py` adds the package's
+`DoNotConvert` rule, as TensorFlow's own tests add theirs);
 `jax.core.Tracer` (`is_jax_tracer`); torch's in-place
 `torch._foreach_add_`, `_foreach_div_`, `_foreach_zero_` and
 `_foreach_copy_` (`TORCH_FOREACH_FUNCTIONS`).
@@ -167,6 +171,25 @@ def is_multi_optimizer(optimizer):
     where the installed Keras has none)."""
     multi = getattr(keras.optimizers, "MultiOptimizer", None)
     return multi is not None and isinstance(optimizer, multi)
+
+
+def multi_optimizer_groups(multi, grads, variables):
+    """`[(inner optimizer, its grads, its variables)]`, in the order in
+    which the built `MultiOptimizer` `multi`'s `apply` hands `grads` on,
+    an inner optimizer with none of `variables` left out (from its
+    `_var_to_optimizer_idx`, keyed by `_var_key`)."""
+    groups = [([], []) for _ in multi.optimizers]
+    for grad, variable in zip(grads, variables):
+        index = multi._var_to_optimizer_idx[multi._var_key(variable)]
+        groups[index][0].append(grad)
+        groups[index][1].append(variable)
+    return [
+        (inner, inner_grads, inner_variables)
+        for inner, (inner_grads, inner_variables) in zip(
+            multi.optimizers, groups
+        )
+        if inner_variables
+    ]
 
 
 def wrapper_optimizer_classes():

@@ -22,7 +22,7 @@ from accum_optimizers import _inputs
 from accum_optimizers import _keras_private
 from accum_optimizers._finite import masked
 from accum_optimizers._validation import concrete_value
-from accum_optimizers._validation import validate_gradient_shape
+from accum_optimizers._validation import validate_gradient
 from accum_optimizers._validation import validate_loss
 from accum_optimizers._validation import validate_weighable
 from accum_optimizers._validation import validate_weight
@@ -339,7 +339,7 @@ class WindowStep:
         laid_out = [None] * len(self._trainable_variables)
         for grad, variable in zip(grads, variables):
             if grad is not None:
-                validate_gradient_shape(grad, variable)
+                validate_gradient(grad, variable)
                 laid_out[self._get_variable_index(variable)] = grad
         if all(grad is None for grad in laid_out):
             raise ValueError("No gradients provided for any variable.")
