@@ -20,10 +20,10 @@ elif _sys.orig_argv[1:3] == ["-m", "accum_optimizers.check"]:
 
     _demo_cli.quiet_tensorflow()
 
-from accum_optimizers import _keras_private  # noqa: E402
+from accum_optimizers._keras_private import versions as _keras_versions  # noqa: E402
 
 # Before anything else touches Keras: a clear error for an unsupported one.
-_keras_private.check_keras_version()
+_keras_versions.check_keras_version()
 
 from accum_optimizers import _wrappers  # noqa: E402
 from accum_optimizers import optimizers as _optimizers  # noqa: E402
@@ -94,7 +94,7 @@ def __getattr__(name):
     # `ScheduleFreeAdamW`: say which Keras added it.
     if name in _optimizers.MISSING_OPTIMIZER_CLASSES:
         raise AttributeError(
-            _keras_private.missing_optimizer_message(
+            _keras_versions.missing_optimizer_message(
                 _optimizers.MISSING_OPTIMIZER_CLASSES[name]
             )
         )
@@ -120,7 +120,7 @@ class _MissingOptimizerFinder:
             and name in _optimizers.MISSING_OPTIMIZER_CLASSES
         ):
             raise ImportError(
-                _keras_private.missing_optimizer_message(
+                _keras_versions.missing_optimizer_message(
                     _optimizers.MISSING_OPTIMIZER_CLASSES[name]
                 ),
                 name=fullname,

@@ -48,6 +48,7 @@ from accum_optimizers import _inputs
 from accum_optimizers import _keras_private
 from accum_optimizers import schedules
 from accum_optimizers._backend import BackendAccumulation
+from accum_optimizers._batch_norm_windows import warn_of_other_windows
 from accum_optimizers._parent_args import bind_parent_arguments
 from accum_optimizers._validation import LOW_PRECISION_DTYPES
 from accum_optimizers._window.close import WindowClose
@@ -57,7 +58,6 @@ from accum_optimizers._window.restore import WindowRestore
 from accum_optimizers._window.spec import Layout
 from accum_optimizers._window.spec import window_state
 from accum_optimizers._window.step import WindowStep
-from accum_optimizers.layers import warn_of_other_windows
 
 
 class _ParentClass:

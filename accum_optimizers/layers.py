@@ -8,19 +8,12 @@ the window's samples together: the moving statistics of a
 `BatchNormalization` layer fed the concatenated window as one batch.
 """
 
-import warnings
-import weakref
-
 import keras
 from keras import ops
 
+from accum_optimizers import _batch_norm_windows
 from accum_optimizers import _keras_private
 from accum_optimizers._validation import validate_accum_iters
-
-# Every built `AccumBatchNormalization`, held weakly: an accumulating
-# optimizer built on its weights compares their windows once, when it is
-# built (`warn_of_other_windows`), at no cost per step.
-_BUILT = weakref.WeakSet()
 
 
 @keras.saving.register_keras_serializable(package="accum_optimizers")
@@ -52,10 +45,10 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
     Use the same `accum_iters` as the accumulating optimizer, so that the
     moving statistics and the weights move on the same calls: an
     accumulating optimizer built on the layer's weights (when `fit` starts)
-    warns when they differ, or when its `accum_iters` is a schedule. Windows
-    count
-    training calls of this layer, so a model that calls the layer more than
-    once per step (a shared layer) needs `accum_iters` times that count.
+    warns when they differ, or when its `accum_iters` is a schedule.
+    Windows count training calls of this layer, so a model that calls the
+    layer more than once per step (a shared layer) needs `accum_iters`
+    times that count.
 
     A window left pending (the end of an epoch) carries into the next one;
     `flush()` moves the statistics with it instead, as a big-batch run
@@ -129,7 +122,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         self.window_mean = state("window_mean")
         self.window_m2 = state("window_m2")
         self.window_calls = state("window_calls", dtype="int32", shape=())
-        _BUILT.add(self)
+        _batch_norm_windows.BUILT.add(self)
 
     def call(self, inputs, training=None, mask=None):
         if self.accum_iters == 1 or not (training and self.trainable):
@@ -274,41 +267,6 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
 
     def get_config(self):
         return {**super().get_config(), "accum_iters": self.accum_iters}
-
-
-def warn_of_other_windows(optimizer, variables):
-    """Warns of each `AccumBatchNormalization` whose trainable weights are
-    among `variables` and whose windows differ from `optimizer`'s.
-
-    Its moving statistics would move on other training calls than the
-    weights. A layer without trainable weights (`center=False,
-    scale=False`, or frozen) is not matched: a frozen one moves nothing.
-
-    Args:
-        optimizer: an accumulating optimizer (with `name` and
-            `accum_iters`: an int, a dict or a schedule), being built.
-        variables: the variables it is built with.
-    """
-    accum_iters = optimizer.accum_iters
-    if isinstance(accum_iters, dict) and len(accum_iters) == 1:
-        accum_iters = next(iter(accum_iters.values()))  # One size for good.
-    # `id`s: a `keras.Variable`'s `==` compares values.
-    built_on = {id(v) for v in variables}
-    for layer in list(_BUILT):
-        if layer.accum_iters == accum_iters or not any(
-            id(w) in built_on for w in layer.trainable_weights
-        ):
-            continue
-        warnings.warn(
-            f"AccumBatchNormalization layer {layer.name!r} has "
-            f"accum_iters={layer.accum_iters}, but optimizer "
-            f"{optimizer.name!r} has accum_iters={optimizer.accum_iters!r}: "
-            "the moving statistics move on other steps than the weights. "
-            "Give the layer the optimizer's `accum_iters` "
-            "(`with_accum_batch_norm(model, accum_iters)`), times the "
-            "number of times the model calls it per step.",
-            stacklevel=3,
-        )
 
 
 def _sum_over_replicas(value):

@@ -16,6 +16,7 @@ from keras.saving import register_keras_serializable
 from accum_optimizers import _args
 from accum_optimizers import _keras_private
 from accum_optimizers._accumulation import GradientAccumulation
+from accum_optimizers._keras_private import versions as keras_versions
 
 _PACKAGE = "accum_optimizers"
 
@@ -220,7 +221,7 @@ def _parent_docstring(optimizer_class):
 
 # An accumulating class for every optimizer the installed Keras ships. Those
 # that every supported Keras has are declared by name; those Keras added
-# later (`_keras_private.OPTIMIZERS_ADDED_IN`), or that a newer Keras ships,
+# later (`keras_versions.OPTIMIZERS_ADDED_IN`), or that a newer Keras ships,
 # exist only where the installed Keras has their parent.
 AdadeltaAccumulate = accumulating(keras.optimizers.Adadelta)
 AdafactorAccumulate = accumulating(keras.optimizers.Adafactor)
@@ -248,7 +249,7 @@ globals().update(OPTIMIZER_CLASSES)
 # installed Keras lacks: `{"ScheduleFreeAdamWAccumulate": "ScheduleFreeAdamW"}`.
 MISSING_OPTIMIZER_CLASSES = {
     f"{name}Accumulate": name
-    for name in _keras_private.OPTIMIZERS_ADDED_IN
+    for name in keras_versions.OPTIMIZERS_ADDED_IN
     if name not in _keras_private.keras_optimizer_classes()
 }
 
@@ -256,7 +257,7 @@ MISSING_OPTIMIZER_CLASSES = {
 def __getattr__(name):
     if name in MISSING_OPTIMIZER_CLASSES:
         raise AttributeError(
-            _keras_private.missing_optimizer_message(
+            keras_versions.missing_optimizer_message(
                 MISSING_OPTIMIZER_CLASSES[name]
             )
         )

@@ -103,9 +103,7 @@ def sync_windows(
             "the parent optimizer runs unchanged: let DDP exchange the "
             "gradients."
         )
-    if not (
-        is_real_number(bucket_cap_mb) and 0 < bucket_cap_mb < float("inf")
-    ):
+    if not (is_real_number(bucket_cap_mb) and 0 < bucket_cap_mb < float("inf")):
         raise ValueError(
             "`bucket_cap_mb` must be a finite number > 0. Received: "
             f"bucket_cap_mb={bucket_cap_mb!r}"

@@ -14,6 +14,7 @@ from helpers import parent_class
 
 import accum_optimizers
 from accum_optimizers import _keras_private
+from accum_optimizers._keras_private import versions
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,14 +82,14 @@ def test_importing_with_tf_keras_routed_to_keras_2_is_refused():
     ],
 )
 def test_release_reads_the_numbers_of_a_version(version, release):
-    assert _keras_private._release(version) == release
+    assert versions._release(version) == release
 
 
 def test_pyproject_accepts_every_supported_keras():
     pyproject = (ROOT / "pyproject.toml").read_text()
     dependencies = re.search(r"^dependencies = (.*)$", pyproject, re.M)
     assert '"keras>=3.10,<4"' in dependencies.group(1)
-    assert _keras_private.MINIMUM_KERAS == (3, 10)
+    assert versions.MINIMUM_KERAS == (3, 10)
 
 
 def test_an_optimizer_keras_lacks_is_missing_and_names_the_keras_adding_it():

@@ -1,12 +1,9 @@
 """Every private Keras (and backend) API this package relies on.
 
 A Keras upgrade is one review of this list; `tests/test_keras_private.py`
-exercises the behaviour we rely on for each entry, not only its name.
-Every entry was checked on Keras 3.10.0, 3.13.2 (TensorFlow 2.20, torch),
-3.15.1 and keras-nightly 3.16.0.dev2026102704 (`.ci/run` and its
-compatibility legs), and by hand on 3.11.3, 3.12.4 and 3.14.1 (JAX); where
-versions differ, the difference is handled here and nowhere else (the
-"Versions" section below).
+exercises the behaviour we rely on for each entry, not only its name, on
+every Keras that `.ci/run` installs. Where versions differ, the difference
+is handled here and nowhere else (the "Versions" section below).
 
 Attributes and methods of `keras.optimizers.Optimizer` used by the mixin
 (`_accumulation.py`) and the backend classes (`_backend/`):
@@ -84,70 +81,13 @@ Keras 2 by `TF_USE_LEGACY_KERAS`. Optimizers Keras added after 3.10 are in
 installed Keras ships, `wrapper_optimizer_classes()` its wrappers.
 """
 
-import os
-import re
 import sys
 
 import keras
-from keras import ops
-
-# -- Versions ------------------------------------------------------------------
-
-MINIMUM_KERAS = (3, 10)
-SUPPORTED_KERAS = "Keras >= 3.10, < 4 (and keras-nightly 3.x)"
-
-# Optimizers (and optimizer wrappers) that Keras added after 3.10, the
-# oldest supported release, with the release that added each.
-OPTIMIZERS_ADDED_IN = {"ScheduleFreeAdamW": "3.14.0"}
 
 # Optimizers that wrap other optimizers, where the installed Keras has them
 # (`MultiOptimizer` arrived in 3.15.0).
 _WRAPPER_NAMES = ("LossScaleOptimizer", "MultiOptimizer")
-
-
-def keras_version():
-    """The installed Keras' version string (`keras.version()`)."""
-    version = getattr(keras, "version", None)
-    return version() if callable(version) else str(keras.__version__)
-
-
-def _release(version):
-    """`"3.16.0.dev2026102704"` -> `(3, 16, 0)`."""
-    match = re.match(r"(\d+)(?:\.(\d+))?(?:\.(\d+))?", version)
-    if match is None:
-        return ()
-    return tuple(int(number) for number in match.groups() if number)
-
-
-def check_keras_version():
-    """Raises `ImportError` unless the Keras that `import keras` gives is a
-    supported Keras 3, and `tf.keras` is not routed to Keras 2."""
-    version = keras_version()
-    release = _release(version)
-    if release < MINIMUM_KERAS or release[:1] != (3,):
-        raise ImportError(
-            f"accum_optimizers supports {SUPPORTED_KERAS}; the installed "
-            f"Keras is {version}. Install a supported one, e.g. "
-            "`pip install -U 'keras>=3.10'`."
-        )
-    legacy = os.environ.get("TF_USE_LEGACY_KERAS", "")
-    if legacy in ("true", "True", "1"):
-        raise ImportError(
-            f"TF_USE_LEGACY_KERAS={legacy} makes `tf.keras` Keras 2 "
-            f"(tf_keras{_distribution_version('tf_keras')}), and "
-            f"accum_optimizers supports {SUPPORTED_KERAS}, not Keras 2. The "
-            f"installed Keras 3 is {version}: unset TF_USE_LEGACY_KERAS and "
-            "build models with `keras` (not `tf.keras`)."
-        )
-
-
-def _distribution_version(name):
-    from importlib import metadata
-
-    try:
-        return f" {metadata.version(name)}"
-    except metadata.PackageNotFoundError:
-        return ", not installed"
 
 
 def keras_optimizer_classes():
@@ -201,17 +141,6 @@ def wrapper_optimizer_classes():
     )
 
 
-def missing_optimizer_message(name):
-    """Why `<name>Accumulate` is missing: `name`, a Keras optimizer, was
-    added after the installed Keras."""
-    return (
-        f"`{name}Accumulate` needs `keras.optimizers.{name}`, which Keras "
-        f"added in {OPTIMIZERS_ADDED_IN[name]}; the installed Keras is "
-        f"{keras_version()}. Upgrade Keras (`pip install -U "
-        f"'keras>={OPTIMIZERS_ADDED_IN[name]}'`) to use it."
-    )
-
-
 OPTIMIZER_ATTRIBUTES = (
     "_iterations",
     "_trainable_variables",
@@ -258,8 +187,8 @@ def decay_weight(optimizer, variable):
         return
     if not optimizer._use_weight_decay(variable):
         return
-    learning_rate = ops.cast(optimizer.learning_rate, variable.dtype)
-    weight_decay = ops.cast(optimizer.weight_decay, variable.dtype)
+    learning_rate = keras.ops.cast(optimizer.learning_rate, variable.dtype)
+    weight_decay = keras.ops.cast(optimizer.weight_decay, variable.dtype)
     variable.assign(variable - variable * weight_decay * learning_rate)
 
 
