@@ -22,7 +22,6 @@ import os
 import keras
 import numpy as np
 import pytest
-from helpers import PARENTS
 from helpers import assert_all_close
 from helpers import parent_on_window_means
 from helpers import random_variables
@@ -34,6 +33,7 @@ from modes import MODES
 from modes import applier
 
 from accum_optimizers import AdamAccumulate
+from accum_optimizers import MuonAccumulate
 from accum_optimizers import RMSpropAccumulate
 from accum_optimizers import SGDAccumulate
 
@@ -48,6 +48,11 @@ OPTIMIZERS = {
     "rmsprop_global_clipnorm": (
         RMSpropAccumulate,
         {"learning_rate": 0.05, "global_clipnorm": 0.3},
+    ),
+    # Its own weight decay: Muon's for matrices, AdamW's for the others.
+    "muon_decay": (
+        MuonAccumulate,
+        {"learning_rate": 0.1, "weight_decay": 0.1, "adam_weight_decay": 0.3},
     ),
 }
 EXAMPLES = {"ci": 4, "compat": 2}.get(
@@ -115,7 +120,7 @@ def test_windows_whose_micro_batches_reach_drawn_subsets_are_the_big_batch(
         if closed < len(calls):
             windows.append(calls[closed:])
             window_weights.append(weights[closed:])
-        parent = PARENTS[cls](**options)
+        parent = cls.parent_class(**options)
         parent.build(parent_vars)
         parent_on_window_means(parent, parent_vars, windows, window_weights)
         assert_all_close(ours_vars, parent_vars, rtol=1e-5, atol=1e-6)

@@ -19,7 +19,9 @@ Attributes and methods of `keras.optimizers.Optimizer` used by the mixin
 - `_get_current_learning_rate()`: the learning rate at `_iterations`.
 - `_apply_weight_decay(variables)`, `_use_weight_decay(variable)`: the
   decoupled weight decay the update applies before `update_step`
-  (`decay_weight` repeats it for one variable).
+  (`decay_weight` applies it to one variable, in a branch), and
+  `keras.src.optimizers.base_optimizer.BaseOptimizer`, whose decay has no
+  backend's `merge_call`.
 - TensorFlow: `_distribution_strategy` and `_all_reduce_sum_gradients`
   (`keras/src/backend/tensorflow/optimizer.py`).
 - torch: `TorchOptimizer.__new__` swaps in the fused
@@ -180,16 +182,24 @@ def fused_class(optimizer_class):
 
 
 def decay_weight(optimizer, variable):
-    """Keras' decoupled weight decay of one variable, as
-    `optimizer._apply_weight_decay([variable])` applies it, without its
-    `merge_call` under `tf.distribute` (so that it can run in a branch)."""
-    if optimizer.weight_decay is None:
-        return
-    if not optimizer._use_weight_decay(variable):
-        return
-    learning_rate = keras.ops.cast(optimizer.learning_rate, variable.dtype)
-    weight_decay = keras.ops.cast(optimizer.weight_decay, variable.dtype)
-    variable.assign(variable - variable * weight_decay * learning_rate)
+    """The parent optimizer's decoupled weight decay of one variable, as its
+    `_apply_weight_decay([variable])` applies it, but for a backend's own
+    override (TensorFlow's adds a `merge_call` under `tf.distribute`,
+    which cannot run inside a branch): the base class' then."""
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    parent = getattr(type(optimizer), "parent_class", None) or type(optimizer)
+    owner = next(
+        cls for cls in parent.__mro__ if "_apply_weight_decay" in vars(cls)
+    )
+    if owner.__module__.startswith("keras.src.backend."):
+        owner = BaseOptimizer
+    else:
+        # A parent's own decay (Muon's) reads the `keras.Variable` (its
+        # path), where TensorFlow's update passes its `tf.Variable`.
+        index = optimizer._get_variable_index(variable)
+        variable = optimizer._trainable_variables[index]
+    owner._apply_weight_decay(optimizer, [variable])
 
 
 def variable_layout(variable):
