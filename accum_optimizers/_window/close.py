@@ -169,10 +169,10 @@ class WindowClose:
         self._accum_run_if(mask, update)
 
     def _apply_weight_decay(self, variables):
-        # Variables updated under a mask decay in their `update_step`.
-        super()._apply_weight_decay(
-            [v for v in variables if _update_mask(self, v) is None]
-        )
+        if _masks_of(self):
+            # Variables updated under a mask decay in their `update_step`.
+            variables = [v for v in variables if _update_mask(self, v) is None]
+        super()._apply_weight_decay(variables)
 
     def _accum_reduced_window(self, sums):
         """`(sums, loss_sum, noise, seen, total_weight)`: the window's
