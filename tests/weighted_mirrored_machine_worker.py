@@ -99,8 +99,7 @@ class Run:
             def step(weight, *grads):
                 def replica_step(weight, *grads):
                     passed = [
-                        None if i == missing else g
-                        for i, g in enumerate(grads)
+                        None if i == missing else g for i, g in enumerate(grads)
                     ]
                     self.optimizer.apply(passed, self.variables, weight=weight)
 
