@@ -6,12 +6,20 @@ the window's (weighted) mean gradient. Drawn runs put the optimizer inside a
 resume must keep the loss scale, and skip non-finite micro-batches
 (`skip_nonfinite`, or the `LossScaleOptimizer`'s own skip). The window's
 loss, gradient norm, samples seen and skip count are checked against the
-reference's. Layers (nested `AccumBatchNormalization`)
+reference's. The end of `fit` is a step too, with and without
+`FlushAccumulation`: the pending-window warning, the flush, and the
+refusal of micro-batches that compiled code left out of their windows for a
+negative or non-finite loss normalizer (`weigh_micro_batches`; TensorFlow
+XLA and `jax.jit`: compiled code cannot raise). Layers (nested
+`AccumBatchNormalization`)
 are not part of this machine: they are a model's, tested in
 `test_features_combined.py`."""
 
+import warnings
+
 import keras
 import numpy as np
+import pytest
 from helpers import PARENTS
 from helpers import assert_all_close
 from helpers import parent_on_window_means
@@ -25,7 +33,9 @@ from hypothesis.stateful import precondition
 from hypothesis.stateful import rule
 
 from accum_optimizers import AdamAccumulate
+from accum_optimizers import FlushAccumulation
 from accum_optimizers import SGDAccumulate
+from accum_optimizers import weigh_micro_batches
 
 SHAPES = ((3, 2), (2,), (2, 1))
 CLASSES = {
@@ -45,12 +55,29 @@ bad_weights = st.sampled_from([-1.0, 0.0, 1e-50, 1e-40, 1e39, float("nan")])
 losses = st.one_of(
     st.none(), st.floats(0.0, 10.0, width=32, allow_subnormal=False)
 )
+# A micro-batch's loss normalizer (the sum of its sample weights) that
+# `weigh_micro_batches` refuses.
+refused_normalizers = st.sampled_from(
+    [-1.0, -1e-6, float("nan"), float("inf"), -float("inf")]
+)
+# Where compiled code leaves a micro-batch of a refused normalizer out of its
+# window (and `fit` raises at its end); eager code raises at once.
+COMPILED = {"tensorflow": "xla", "jax": "jit"}.get(keras.backend.backend())
 grad_values = st.integers(0, 2**32 - 1).map(
     lambda seed: [
         np.random.default_rng(seed).normal(size=s).astype("float32")
         for s in SHAPES
     ]
 )
+
+
+class _Holder(keras.Model):
+    """A model to compile the machine's optimizer with, for
+    `FlushAccumulation` and `weigh_micro_batches`: its loss divides by the
+    sum of the sample weights."""
+
+    def call(self, inputs):
+        return inputs
 
 
 class AccumulationMachine(RuleBasedStateMachine):
@@ -81,6 +108,11 @@ class AccumulationMachine(RuleBasedStateMachine):
         self.window_loss, self.window_grad_norm = 0.0, 0.0
         self.samples, self.skipped = 0.0, 0
         self.frozen = False
+        # Micro-batches left out for a refused normalizer since the last
+        # end of `fit`, which must raise at the next.
+        self.refused, self.any_refused = 0, False
+        self.flag_left_set = False
+        self.holder, self.refusing = _Holder(), {}
         # The loss scale and its step counter, by hand: after `GROWTH`
         # finite steps the scale doubles (Keras' dynamic loss scaling).
         self.wrapper = None
@@ -108,6 +140,75 @@ class AccumulationMachine(RuleBasedStateMachine):
             initial_scale=INITIAL_SCALE,
             dynamic_growth_steps=GROWTH,
         )
+
+    def _model(self):
+        """The holder model, compiled with the optimizer `fit` would see
+        (the `LossScaleOptimizer`, if any) and weighed."""
+        optimizer = self.wrapper or self.optimizer
+        if getattr(self.holder, "optimizer", None) is not optimizer:
+            self.holder.compile(
+                optimizer=optimizer,
+                loss=keras.losses.MeanSquaredError(
+                    reduction="mean_with_sample_weight"
+                ),
+            )
+            weigh_micro_batches(self.holder)
+        return self.holder
+
+    def _refusing_step(self, scaled):
+        """`step(grads, sample_weight)`: a micro-step as a compiled train
+        step takes it: the loss computed by the weighed model (which hands
+        its normalizer, `sum(sample_weight)`, to the optimizer), then
+        `apply` (under `jax.jit`: `stateless_apply`). With `scaled`, as
+        Keras' trainers: the loss goes through `optimizer.scale_loss`, which
+        multiplies it (so the gradients) by the normalizer; else as a
+        custom train step that calls `apply` on the loss's gradients."""
+        model, optimizer = self._model(), self.optimizer
+        key = (id(optimizer), scaled)
+        if key in self.refusing:
+            return self.refusing[key][1]
+        target = np.zeros((1, 1), "float32")
+        prediction = np.ones((1, 1), "float32")
+
+        def loss(grads, sample_weight):
+            model.compute_loss(
+                y=target, y_pred=prediction, sample_weight=sample_weight
+            )
+            if not scaled:
+                return grads
+            factor = optimizer.scale_loss(keras.ops.ones(()))
+            return [None if g is None else g * factor for g in grads]
+
+        if COMPILED == "xla":
+            import tensorflow as tf
+
+            def apply(grads, sample_weight):
+                optimizer.apply(loss(grads, sample_weight), self.variables)
+
+            step = tf.function(apply, jit_compile=True, autograph=False)
+        else:
+            import jax
+
+            @jax.jit
+            def pure(state, trainable, grads, sample_weight):
+                with keras.StatelessScope():  # the model's own writes
+                    grads = loss(grads, sample_weight)
+                return optimizer.stateless_apply(state, grads, trainable)
+
+            def step(grads, sample_weight):
+                trainable, state = pure(
+                    [v.value for v in optimizer.variables],
+                    [v.value for v in self.variables],
+                    grads,
+                    sample_weight,
+                )
+                for variable, value in zip(self.variables, trainable):
+                    variable.assign(value)
+                for variable, value in zip(optimizer.variables, state):
+                    variable.assign(value)
+
+        self.refusing[key] = (optimizer, step)
+        return step
 
     # -- The reference ---------------------------------------------------
 
@@ -276,6 +377,74 @@ class AccumulationMachine(RuleBasedStateMachine):
         if self.window:
             self._reference_apply(self._reached())
 
+    @precondition(
+        lambda self: (
+            COMPILED is not None
+            and self.wrapper is None
+            and not self.options["skip_nonfinite"]
+        )
+    )
+    @rule(
+        grads=grad_values, normalizer=refused_normalizers, scaled=st.booleans()
+    )
+    def apply_refused_normalizer(self, grads, normalizer, scaled):
+        # Compiled code cannot raise: the micro-batch is left out of its
+        # window (counted in `skipped_micro_batches`), and the end of `fit`
+        # raises for it.
+        if self.frozen:
+            grads = [None] + grads[1:]
+        tensor = keras.ops.convert_to_tensor
+        self._refusing_step(scaled)(
+            [None if g is None else tensor(g) for g in grads],
+            tensor(np.asarray([normalizer], "float32")),
+        )
+        self.skipped += 1
+        self.refused += 1
+        self.any_refused = True
+
+    @rule(flush=st.booleans())
+    def end_of_fit(self, flush):
+        # What `fit` does once its last epoch's steps are done, in Keras'
+        # order: `on_epoch_end` (with `FlushAccumulation`: the flush), the
+        # optimizer's `finalize_variable_values`, then `on_train_end`,
+        # which `fit` skips when the finalize raises.
+        model = self._model()
+        callback = FlushAccumulation(every_epoch=False, at_train_end=True)
+        if flush:
+            callback.set_model(model)
+            callback.set_params({"epochs": 1})
+            callback.on_train_begin()
+            callback.on_epoch_begin(0)
+            callback.on_epoch_end(0)
+            if self.window:
+                self._reference_apply(self._reached())
+        pending, refused = len(self.window), self.refused
+        self.refused = 0
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                model.optimizer.finalize_variable_values(self.variables)
+            except ValueError as error:
+                assert refused and "normalizer" in str(error), error
+                assert f"{refused} micro-batches" in str(error), error
+                # Known, open: `fit` skips `on_train_end`, which would reset
+                # `flush_at_train_end`; a later `fit` without the callback
+                # does not warn of its pending window (the test below).
+                self.flag_left_set |= flush
+                return
+        assert not refused, f"{refused} refused micro-batches not reported"
+        warned = [str(w.message) for w in caught if "pending" in str(w.message)]
+        if flush or not pending or self.flag_left_set:
+            assert not warned, warned
+        else:
+            assert len(warned) == 1 and f"{pending} micro-batches" in warned[0]
+        if flush:
+            callback.on_train_end()  # nothing more is pending
+
+    # Not after a refused normalizer: an optimizer loaded from a checkpoint
+    # raises at the end of its first `fit` for the micro-batches its saved
+    # run refused, though that run's own end reported them (known, open).
+    @precondition(lambda self: not self.any_refused)
     @rule(before_build=st.booleans())
     def save_and_load(self, before_build):
         # As Keras' saving stores them: a LossScaleOptimizer's variables
@@ -299,7 +468,11 @@ class AccumulationMachine(RuleBasedStateMachine):
             restored.load_own_variables(store)
         self.optimizer, self.wrapper = restored, wrapper
 
-    @precondition(lambda self: self.window and self.wrapper is None)
+    @precondition(
+        lambda self: (
+            self.window and self.wrapper is None and not self.any_refused
+        )
+    )
     @rule(accum_iters=st.integers(2, 5))
     def load_into_another_accum_iters(self, accum_iters):
         store = {}
@@ -358,3 +531,57 @@ AccumulationMachine.TestCase.settings = settings(
     stateful_step_count=15,
 )
 TestAccumulationMachine = AccumulationMachine.TestCase
+
+
+@pytest.mark.backends("tensorflow", "jax")  # compiled code leaves them out
+def test_refused_normalizers_raise_at_the_end_of_fit_with_or_without_flush():
+    # A sequence of the machine's rules that CI's few drawn runs seldom
+    # reach: micro-batches left out for a refused normalizer (with and
+    # without `scale_loss`) between good ones, then the end of `fit` with
+    # the flush (which must still raise for them) and without it (the
+    # pending-window warning), checked after every step.
+    grads = [np.full(s, 0.25, "float32") for s in SHAPES]
+    machine = AccumulationMachine()
+    machine.setup("adam", 2, loss_scaled=False, skip_nonfinite=False)
+    steps = [
+        lambda: machine.apply_all(grads, weight=3.0, loss=None),
+        lambda: machine.apply_refused_normalizer(grads, -1.0, scaled=False),
+        lambda: machine.apply_refused_normalizer(grads, np.nan, scaled=True),
+        lambda: machine.apply_all(grads, weight=None, loss=1.0),
+        lambda: machine.apply_all(grads, weight=0.5, loss=None),
+        lambda: machine.end_of_fit(flush=True),
+        lambda: machine.apply_refused_normalizer(grads, -1e-6, scaled=False),
+        lambda: machine.apply_some(grads, {0}, False, weight=7.0, loss=None),
+        lambda: machine.end_of_fit(flush=False),
+        lambda: machine.end_of_fit(flush=False),
+    ]
+    for step in steps:
+        step()
+        machine.same_weights_and_state_as_the_reference()
+    assert int(to_numpy(machine.optimizer.iterations)) == 2
+
+
+@pytest.mark.backends("tensorflow", "jax")
+@pytest.mark.xfail(strict=True, reason="known, open: see end_of_fit")
+def test_a_fit_that_raised_with_the_flush_leaves_the_next_fit_its_warning():
+    grads = [np.full(s, 0.25, "float32") for s in SHAPES]
+    machine = AccumulationMachine()
+    machine.setup("sgd", 2, loss_scaled=False, skip_nonfinite=False)
+    machine.apply_refused_normalizer(grads, -1.0, scaled=False)
+    machine.end_of_fit(flush=True)  # raises for the refused micro-batch
+    machine.apply_all(grads, weight=None, loss=None)
+    machine.flag_left_set = False  # what the end of `fit` should leave
+    machine.end_of_fit(flush=False)  # the pending-window warning
+
+
+@pytest.mark.backends("tensorflow", "jax")
+@pytest.mark.xfail(strict=True, reason="known, open: see save_and_load")
+def test_a_loaded_optimizer_does_not_report_its_saved_runs_refusals_again():
+    grads = [np.full(s, 0.25, "float32") for s in SHAPES]
+    machine = AccumulationMachine()
+    machine.setup("sgd", 2, loss_scaled=False, skip_nonfinite=False)
+    machine.apply_refused_normalizer(grads, -1.0, scaled=False)
+    machine.end_of_fit(flush=False)  # raises for it
+    machine.any_refused = False  # lifts save_and_load's precondition
+    machine.save_and_load(before_build=False)
+    machine.end_of_fit(flush=False)  # nothing refused since

@@ -102,6 +102,21 @@ def test_mirrored_custom_loop_with_uneven_replica_weights(mirrored, kind):
 # -- keras.distribution.DataParallel (JAX) -----------------------------------
 
 
+@pytest.mark.backends("tensorflow")
+def test_drawn_mirrored_custom_loops_match_the_reference_after_every_step(
+    tmp_path,
+):
+    # Drawn sequences (weighed micro-steps with a weight and gradients per
+    # replica, 0 for an empty share, `None` gradients, flushes), checked
+    # in the worker after every step against the parent on one device fed
+    # each window's global weighted mean: weights, `iterations`,
+    # `samples_seen` (every replica's weights) and `micro_steps`.
+    results = run_mirrored_worker(
+        "weighted_mirrored_machine_worker.py", tmp_path / "results.json"
+    )
+    assert results["sequences"] >= 2 and results["steps"] >= 12, results
+
+
 @pytest.fixture(scope="module")
 def data_parallel(tmp_path_factory):
     results = run_jax_worker(

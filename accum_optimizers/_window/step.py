@@ -203,6 +203,10 @@ class WindowStep:
         with self._accum_after(grads):
             for name, value in counts.items():
                 getattr(self, f"_accum_{name}").assign(value)
+        # Masked like the gradients: a weight compiled code refused is NaN,
+        # and 0 * NaN would poison the window's sums.
+        weight = micro_batch.weight
+        weight = None if micro_batch.scaled else masked(weight, finite)
         try:
             for i in np.flatnonzero(overwrite):
                 self._accum_keep_maximum(self._accum_sums[i], grads[i], finite)
@@ -215,7 +219,7 @@ class WindowStep:
                 lambda totals: self._accum_apply_window(
                     dict(zip(summed, totals)), present
                 ),
-                None if micro_batch.scaled else micro_batch.weight,
+                weight,
             )
         except Exception as error:
             if self._accum_writes_directly():
