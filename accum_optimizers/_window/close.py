@@ -208,10 +208,12 @@ class WindowClose:
         )
 
     def finalize_variable_values(self, var_list):
-        # `fit` calls this once, at the end of training.
+        # `fit` calls this once, at the end of training. The flag is this
+        # `fit`'s alone, also where the report below raises.
+        flushed, self.flush_at_train_end = self.flush_at_train_end, False
         if self._accumulates and self.built:
             self._accum_report_refused_weights()
-        if self._accumulates and self.built and not self.flush_at_train_end:
+        if self._accumulates and self.built and not flushed:
             try:
                 pending = ops.convert_to_numpy(self._accum_micro_steps.value)
             except TypeError:

@@ -9,6 +9,7 @@ import numpy as np
 from keras import ops
 
 from accum_optimizers import schedules
+from accum_optimizers._validation import concrete_value
 from accum_optimizers._window.noise import saved_noise_key
 from accum_optimizers._window.spec import window_state
 
@@ -72,6 +73,11 @@ class WindowRestore:
             state = self._accum_layout.state
             for name, value in lasting_values(parent, window, state).items():
                 getattr(self, f"_accum_{name}").assign(value)
+        if self._accumulates:
+            # The saved run's refused micro-batches were its `fit`'s to
+            # report (`_accum_report_refused_weights`).
+            skipped = concrete_value(self._accum_skipped.value)
+            self._accum_refused_reported = int(skipped or 0)
 
     def _accum_saved_window_size(self, parent, window):
         """The window size the next update of a planned saved state takes
