@@ -322,6 +322,8 @@ def weighted_overlap(rank, x, y):
 
 
 MISSING_WINDOWS = 3
+# Whole windows, then one micro-step that a flush applies.
+MISSING_STEPS = MISSING_WINDOWS * K + 1
 HEADS = "abc"
 # The seeds of the drawn patterns of `reached_heads` (`TORCH_RANK_DRAWS`
 # of them: 2 in CI, more for a local hunt).
@@ -372,21 +374,23 @@ def heads_loss(model, xb, heads):
 
 def reached_heads(rank, x, y, overlap, pattern):
     """A model of three heads that the ranks reach in different micro-steps
-    (`reached`), weighted windows, one bucket per variable; at the close or
-    with the overlap (keys `reached_{pattern}_{way}_*`)."""
+    (`reached`), weighted windows, one bucket per variable, a flushed
+    partial window last; at the close or with the overlap (keys
+    `reached_{pattern}_{way}_*`)."""
     model = heads_model(x.shape[1])
     optimizer = sync_windows(
         AdamAccumulate(learning_rate=0.01, accum_iters=K),
         model=model if overlap else None,
         bucket_cap_mb=1e-6,
     )
-    for step in range(MISSING_WINDOWS * K):
+    for step in range(MISSING_STEPS):
         xb, _ = missing_rows(x, y, step, rank)
         loss = heads_loss(model, xb, reached(pattern, rank, step))
         if overlap:
             weigh_next_backward(optimizer, 2.0 + rank)
         loss.backward()
         apply_grads(model, optimizer, weight=2.0 + rank)
+    optimizer.flush()  # the last, partial window
     prefix = f"reached_{pattern}_{'overlap' if overlap else 'windows'}"
     results = weights(prefix, model)
     results[f"{prefix}_iterations"] = int(optimizer.iterations)
