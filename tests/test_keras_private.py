@@ -114,8 +114,10 @@ def test_decay_weight_is_keras_weight_decay_of_one_variable():
     # second variable, excluded by name, is left alone by both.
     decayed = []
     for decay in ("keras", "ours"):
-        optimizer, variables = _built_adam(learning_rate=0.5, weight_decay=0.1)
+        variables = [keras.Variable([1.0, 2.0]), keras.Variable([[3.0]])]
+        optimizer = keras.optimizers.Adam(learning_rate=0.5, weight_decay=0.1)
         optimizer.exclude_from_weight_decay(var_names=[variables[1].name])
+        optimizer.build(variables)
         if decay == "keras":
             optimizer._apply_weight_decay(variables)
         else:
