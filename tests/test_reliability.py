@@ -122,6 +122,25 @@ def test_flush_leaves_frozen_and_gradient_less_layers_alone(cls, parent_cls):
     assert int(ours.micro_steps) == 0
 
 
+def test_flush_of_a_window_that_reached_frozen_variables_only_is_no_update():
+    # The parent applies nothing without a trainable variable's gradient:
+    # no update, no count, the window dropped.
+    rng = np.random.default_rng(4)
+    ours_vars = _variables()
+    ours = AdamAccumulate(0.1, accum_iters=4)
+    ours.build(ours_vars)
+    for grads in [_draw(rng, ours_vars, missing={1, 2}) for _ in range(2)]:
+        ours.apply([None if g is None else tensor(g) for g in grads], ours_vars)
+    ours_vars[0].trainable = False
+    before = to_numpy(ours_vars)
+    ours.flush()
+    for after, was in zip(to_numpy(ours_vars), before):
+        np.testing.assert_array_equal(after, was)
+    assert int(ours.iterations) == 0
+    assert int(ours.micro_steps) == 0
+    assert float(ours.samples_seen) == 0.0
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_flush_updates_a_variable_whose_gradient_came_early_in_the_window(
     mode,

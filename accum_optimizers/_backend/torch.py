@@ -53,15 +53,14 @@ class TorchAccumulation(Accumulation):
         # sums and the weight are the window's own, dead after it. Every
         # rank sends every sum, with or without gradient, so that the ranks
         # exchange the same tensors.
-        extras = [torch.as_tensor(extra).clone() for extra in extras]
-        tensors = list(sums) + extras + [total_weight]
+        tensors = list(sums) + list(extras) + [total_weight]
         overlap = sync.overlap
         if overlap is not None and overlap.claimed is not None:
             # The gradient sums crossed behind the last backward; the
             # extras and the total weight, known only now, cross here.
             overlap.claimed.commit()
             overlap.claimed = None
-            tensors = extras + [total_weight]
+            tensors = list(extras) + [total_weight]
         for bucket in _buckets(tensors, sync.bucket_bytes):
             flat = torch.cat([t.reshape(-1) for t in bucket])
             torch.distributed.all_reduce(flat, group=sync.process_group)

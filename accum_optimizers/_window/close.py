@@ -101,6 +101,11 @@ class WindowClose:
         # The big batch of a model whose layer was frozen mid-window does
         # not reach it either.
         updated = [i for i in updated if variables[i].trainable]
+        if not updated:
+            # A window of frozen variables only (a flush after freezing
+            # them): no update, as the parent makes none without gradients.
+            self._accum_end_window()
+            return
         reduced = dict(zip(summed, sums))
         averaged = [i for i in updated if i in reduced]
         sums = [reduced[i] for i in averaged]
@@ -120,12 +125,11 @@ class WindowClose:
         for i in updated:
             if i not in grads:
                 grads[i] = self._accum_sums[i].value  # a window's maximum
-        if updated:
-            with _masked_updates(self, masks):
-                super().apply(
-                    [ops.cast(grads[i], variables[i].dtype) for i in updated],
-                    [variables[i] for i in updated],
-                )
+        with _masked_updates(self, masks):
+            super().apply(
+                [ops.cast(grads[i], variables[i].dtype) for i in updated],
+                [variables[i] for i in updated],
+            )
         # After the update, whose learning rate is that of the samples
         # seen before the window.
         self._accum_count_samples(self._accum_samples_in(total_weight))
