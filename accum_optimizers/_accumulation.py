@@ -132,7 +132,7 @@ class GradientAccumulation(
         super().build(variables)
         parent = len(self.variables)
         state_declared = window_state(self.measure_noise_scale)
-        if self._accumulates:
+        if self._has_window:
             for state in state_declared:
                 variable = self._accum_add_variable(
                     f"accum_{state.name}",
@@ -255,7 +255,7 @@ class GradientAccumulation(
         self._accum_measure_noise_scale = measure
 
     @property
-    def _accumulates(self):
+    def _has_window(self):
         """Whether the optimizer has a window, decided once, when it is
         built: False for `accum_iters=1` (the parent optimizer unchanged),
         unless the window's state is needed anyway: to skip non-finite
@@ -281,7 +281,7 @@ class GradientAccumulation(
         self._accum_note_loss(loss)
         loss = super().scale_loss(loss)
         handoff = _inputs.handoff_of(self)
-        if handoff is None or handoff.loss_scaled or not self._accumulates:
+        if handoff is None or handoff.loss_scaled or not self._has_window:
             return loss
         handoff.loss_scaled = True
         return ops.multiply(loss, ops.cast(handoff.weight, loss.dtype))

@@ -85,7 +85,7 @@ def probe(model, optimizers, batch):
     variables = _state_variables(model)
     saved = [np.array(ops.convert_to_numpy(v.value)) for v in variables]
     for optimizer in optimizers:
-        if optimizer._accumulates:
+        if optimizer._has_window:
             regroup_window(optimizer, optimizer.accum_iters - 1)
     reset_allocator_peak()
     fits = True

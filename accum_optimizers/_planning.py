@@ -260,7 +260,7 @@ def _prepared_optimizers(model):
                 "with an integer `accum_iters`. Received: "
                 f"accum_iters={accum_iters!r}"
             )
-        if inner_optimizer.built and not inner_optimizer._accumulates:
+        if inner_optimizer.built and not inner_optimizer._has_window:
             raise ValueError(
                 "fit_to_memory needs the optimizer's window state, which an "
                 "optimizer built with accum_iters=1 lacks. Compile with a "

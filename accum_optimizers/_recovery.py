@@ -84,7 +84,7 @@ class Tracker(keras.callbacks.Callback):
         model = self.model
         self.iterations = None
         if COUNTS_ITERATIONS_BEFORE_UPDATE and not all(
-            optimizer._accumulates for optimizer in self._optimizers
+            optimizer._has_window for optimizer in self._optimizers
         ):
             # The parent optimizer (on TensorFlow) adds 1 to `iterations`
             # without waiting for the step's gradients: a step that fails

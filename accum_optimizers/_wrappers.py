@@ -53,7 +53,7 @@ _PATCHED = set()
 _PENDING_SCALE_STATE = weakref.WeakKeyDictionary()
 
 
-def _accumulates(optimizer):
+def is_accumulating_class(optimizer):
     """Whether `optimizer` is of an accumulating class (any `accum_iters`)."""
     return isinstance(optimizer, GradientAccumulation)
 
@@ -84,7 +84,7 @@ def _weighing(method):
         if weight is None and loss is None:
             return method(self, *args, **kwargs)
         inner = self.inner_optimizer
-        if not _accumulates(inner):
+        if not is_accumulating_class(inner):
             raise TypeError(
                 f"LossScaleOptimizer.{method.__name__}() takes `weight` "
                 "and `loss` only around an accumulating optimizer. "
@@ -111,7 +111,7 @@ def _deferring_load(load_own_variables):
     for `build` (`_restoring_build`) around an accumulating optimizer."""
 
     def deferring_load_own_variables(self, store):
-        if self.built or not _accumulates(self.inner_optimizer):
+        if self.built or not is_accumulating_class(self.inner_optimizer):
             return load_own_variables(self, store)
         values = [np.array(store[str(i)]) for i in range(len(store.keys()))]
         _PENDING_SCALE_STATE[self] = tuple(values)
@@ -160,7 +160,7 @@ def _noting_scale_loss(scale_loss):
     def noting_scale_loss(self, loss):
         # `fit` hands the loss to the optimizer it compiled with: the
         # inner optimizer's `window_loss` needs it too.
-        if _accumulates(self.inner_optimizer):
+        if is_accumulating_class(self.inner_optimizer):
             self.inner_optimizer._accum_note_loss(loss)
         return scale_loss(self, loss)
 
@@ -177,7 +177,7 @@ def _install_multi_optimizer():
         return [
             optimizer
             for optimizer in multi_optimizer.optimizers
-            if _accumulates(optimizer) and optimizer._accumulates
+            if is_accumulating_class(optimizer) and optimizer._has_window
         ]
 
     def noting_scale_loss(self, loss):
@@ -212,7 +212,9 @@ def _check_inner_calls(multi, grads, trainable_variables):
     variables, a variable it was not built with) raise before any inner
     optimizer is called: they are left to it.
     """
-    if not any(_accumulates(o) for o in multi.optimizers) or not len(grads):
+    if not any(is_accumulating_class(o) for o in multi.optimizers) or not len(
+        grads
+    ):
         return
     if trainable_variables is None:
         if not multi.built:
@@ -232,7 +234,7 @@ def _check_inner_calls(multi, grads, trainable_variables):
 def _check_call(optimizer, grads, variables):
     """Raises where `optimizer.apply(grads, variables)` would, writing
     nothing and leaving what `_inputs` holds for the call in place."""
-    if not (_accumulates(optimizer) and optimizer._accumulates):
+    if not (is_accumulating_class(optimizer) and optimizer._has_window):
         # The parent's `apply`: its gradients are cast to the variables.
         for grad, variable in zip(grads, variables):
             if grad is not None:

@@ -96,7 +96,7 @@ def sync_windows(
             "sync_windows() needs an accumulating optimizer; got "
             f"optimizer={optimizer!r}."
         )
-    if not optimizer._accumulates:
+    if not optimizer._has_window:
         raise ValueError(
             "sync_windows() needs accum_iters other than 1; got "
             f"accum_iters={optimizer.accum_iters!r}. With a window of one "

@@ -67,7 +67,7 @@ def weigh_micro_batches(model):
             f"model={model!r} of type {type(model).__name__}"
         )
     for optimizer in accumulating_optimizers(getattr(model, "optimizer", None)):
-        if optimizer._accumulates:
+        if optimizer._has_window:
             validate_weighable(optimizer.accumulator_dtype)
     if weighs_micro_batches(model):
         return model
@@ -81,7 +81,7 @@ def weigh_micro_batches(model):
         optimizers = [
             optimizer
             for optimizer in accumulating_optimizers(model.optimizer)
-            if optimizer._accumulates
+            if optimizer._has_window
         ]
         if not training or not optimizers:
             return compute_loss(x, y, y_pred, sample_weight, **kwargs)

@@ -179,7 +179,7 @@ class Accumulation:
     def _accum_note_loss(self, loss):
         """Keeps the loss of this thread's micro-batch for its `apply`
         (`fit` computes the loss, then applies its gradients)."""
-        if self._accumulates:
+        if self._has_window:
             _inputs.put_loss(self, loss)
 
     def _accum_loss_outside_apply(self):

@@ -270,7 +270,7 @@ class TFAccumulation(Accumulation):
         # Keras' `TFOptimizer` all-reduces gradients here on every `apply`;
         # a window's sums are already all-reduced by
         # `_accum_reduce_window`, once per window.
-        if not self._accumulates:
+        if not self._has_window:
             return super()._all_reduce_sum_gradients(grads_and_vars)
         return grads_and_vars
 

@@ -35,7 +35,7 @@ class WindowClose:
         `accum_iters=1`. Call it eagerly (the `FlushAccumulation` callback
         does, at the end of epochs or of training).
         """
-        if not self._accumulates or not self.built:
+        if not self._has_window or not self.built:
             return
         pending = int(ops.convert_to_numpy(self._accum_micro_steps.value))
         if pending == 0:
@@ -215,9 +215,9 @@ class WindowClose:
         # `fit` calls this once, at the end of training. The flag is this
         # `fit`'s alone, also where the report below raises.
         flushed, self.flush_at_train_end = self.flush_at_train_end, False
-        if self._accumulates and self.built:
+        if self._has_window and self.built:
             self._accum_report_refused_weights()
-        if self._accumulates and self.built and not flushed:
+        if self._has_window and self.built and not flushed:
             try:
                 pending = ops.convert_to_numpy(self._accum_micro_steps.value)
             except TypeError:

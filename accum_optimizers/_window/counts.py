@@ -50,7 +50,7 @@ class WindowCounts:
 
     def _accum_samples(self):
         """`samples_seen` of a built accumulating optimizer (0 before)."""
-        if not self.built or not self._accumulates:
+        if not self.built or not self._has_window:
             return ops.convert_to_tensor(0.0, "float32")
         return ops.add(
             self._accum_samples_seen.value,
@@ -69,7 +69,7 @@ class WindowCounts:
 
         Always `0` with `accum_iters=1`. `iterations` counts applied updates.
         """
-        if not self._accumulates or not self.built:
+        if not self._has_window or not self.built:
             return ops.zeros((), dtype="int32")
         return ops.convert_to_tensor(self._accum_micro_steps)
 
@@ -80,7 +80,7 @@ class WindowCounts:
         Micro-steps dropped by a `LossScaleOptimizer` for non-finite
         gradients never reach this optimizer and are not counted.
         """
-        if not self._accumulates or not self.built:
+        if not self._has_window or not self.built:
             return self.iterations
         return ops.convert_to_tensor(self._accum_micro_batches)
 
@@ -88,7 +88,7 @@ class WindowCounts:
     def skipped_micro_batches(self):
         """Micro-batches left out of their window because their gradients
         were not finite (`skip_nonfinite=True`), since creation."""
-        if not self._accumulates or not self.built:
+        if not self._has_window or not self.built:
             return ops.zeros((), dtype="int32")
         return ops.convert_to_tensor(self._accum_skipped)
 
@@ -99,7 +99,7 @@ class WindowCounts:
         (`weigh_micro_batches`, `apply(..., weight=)`), micro-batches
         otherwise. `by_samples` schedules are keyed on it; a pending
         window is not counted until it is applied."""
-        if not self._accumulates or not self.built:
+        if not self._has_window or not self.built:
             return ops.cast(self.iterations, "float32")
         return self._accum_samples()
 
@@ -111,7 +111,7 @@ class WindowCounts:
         micro-batch's loss to the optimizer; a custom loop passes
         `apply(..., loss=)`. NaN where a micro-batch of the window came
         without its loss; `0` before the first update."""
-        if not self._accumulates or not self.built:
+        if not self._has_window or not self.built:
             return ops.zeros((), dtype="float32")
         return ops.convert_to_tensor(self._accum_window_loss)
 
@@ -121,14 +121,14 @@ class WindowCounts:
         clipping): the big batch's gradient norm. `0` before the first
         update; infinite where the window's weighted sums square past
         float32's range (weights times gradients above about 1e19)."""
-        if not self._accumulates or not self.built:
+        if not self._has_window or not self.built:
             return ops.zeros((), dtype="float32")
         return ops.convert_to_tensor(self._accum_window_grad_norm)
 
     @property
     def last_apply_updated(self):
         """Whether the last `apply` (or `flush`) updated the weights."""
-        if not self._accumulates:
+        if not self._has_window:
             return ops.greater(self.iterations, 0)
         if not self.built:
             return ops.convert_to_tensor(False)

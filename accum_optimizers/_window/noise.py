@@ -186,7 +186,7 @@ class WindowNoise:
         """What a `by_noise_scale` schedule is keyed on: the largest noise
         scale measured since its warm-up (`grow_only`) or the current one
         (NaN before its warm-up ends)."""
-        if not self.built or not self._accumulates:
+        if not self.built or not self._has_window:
             return ops.convert_to_tensor(float("nan"), "float32")
         if schedule.grow_only:
             return self._accum_largest_noise_scale.value
@@ -199,7 +199,7 @@ class WindowNoise:
         """One read-out as a float32 scalar (NaN where not measured)."""
         if (
             not self.built
-            or not self._accumulates
+            or not self._has_window
             or not self.measure_noise_scale
         ):
             return ops.convert_to_tensor(float("nan"), "float32")

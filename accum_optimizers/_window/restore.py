@@ -53,7 +53,7 @@ class WindowRestore:
         )
         empty = is_empty(window)
         restored = list(parent)
-        if self._accumulates and not empty:
+        if self._has_window and not empty:
             restored += window
         variables = self.variables
         for index, value in enumerate(restored):
@@ -66,14 +66,14 @@ class WindowRestore:
                 )
         for variable, value in zip(variables, restored):
             variable.assign(value)
-        if not self._accumulates and window is not None:
+        if not self._has_window and window is not None:
             _warn_of_counts_lost(parent, window, describe)
-        if self._accumulates and empty:
+        if self._has_window and empty:
             self._accum_end_window()
             state = self._accum_layout.state
             for name, value in lasting_values(parent, window, state).items():
                 getattr(self, f"_accum_{name}").assign(value)
-        if self._accumulates:
+        if self._has_window:
             # The saved run's refused micro-batches were its `fit`'s to
             # report (`_accum_report_refused_weights`).
             skipped = concrete_value(self._accum_skipped.value)

@@ -55,7 +55,7 @@ class WindowStep:
                 any loss scaling), for `window_loss`, weighed like the
                 gradients. `fit` passes it on its own. Defaults to `None`.
         """
-        if self._accumulates:
+        if self._has_window:
             self._accum_begin_apply()
         # What arrived beside the arguments is taken first: a call that
         # raises leaves nothing behind for the next one.
@@ -72,7 +72,7 @@ class WindowStep:
         weight)."""
         if loss is None:
             loss = pending.loss
-        if loss is None and self._accumulates:
+        if loss is None and self._has_window:
             loss = self._accum_loss_outside_apply()
         loss = validate_loss(loss)
         handoff = pending.handoff
@@ -85,7 +85,7 @@ class WindowStep:
                 checked = handoff.checked()
             if handoff.may_be_invalid:
                 valid = ops.isfinite(ops.cast(weight, "float32"))
-        if weight is not None and self._accumulates:
+        if weight is not None and self._has_window:
             validate_weighable(self.accumulator_dtype)
         if weight is not None:
             # Windows count samples from now on: a Python fact, known when
@@ -128,7 +128,7 @@ class WindowStep:
 
     def _accum_apply(self, grads, trainable_variables, micro_batch):
         """`apply` once its inputs are checked (`micro_batch`)."""
-        if not self._accumulates:
+        if not self._has_window:
             # A window of one micro-batch: its weight cancels out.
             return super().apply(grads, trainable_variables)
         grads = list(grads)
