@@ -1,90 +1,56 @@
-"""The gradient-accumulation mechanism shared by every accumulating optimizer.
+"""The accumulating optimizer: a Keras optimizer whose `apply` adds each
+micro-batch's gradients into a window and updates the weights once per
+window, with the window's mean gradient, through the parent's own `apply`.
 
-Over a window of `accum_iters` consecutive `apply` calls with gradients
-g_1..g_k, the optimizer adds each g_i into a per-variable sum and updates
-the weights once, on the k-th call, with the mean gradient
-(g_1 + ... + g_k) / k, through the parent Keras optimizer's own `apply`:
-unscaling, clipping, weight decay, the update math, EMA, constraints and the
-`iterations` increment all happen exactly once per window, so `iterations`
-counts applied updates, and learning-rate schedules, bias corrections and
-EMA see the step numbers of a run with a k times larger batch.
+A micro-step is one value and one commit:
 
-Each call reads
+    step = transition.micro_step(window, grads, ...)      (keras.ops)
+    backend.commit(window, step, grads, close)            (the writes)
 
-    counter -> update_switch -> accumulate, or add and apply:
-
-    micro_steps += 1
-    update_switch = micro_steps >= accum_iters
-    if update_switch:                           (once per window)
-        parent.apply((sums + grads) / micro_steps)
-        micro_steps = 0
-    else:                                       (the other micro-steps)
-        sums += grads
-
-A call may weigh its micro-batch (`apply(grads, weight=n)`, `n` the
-normalizer of the micro-batch's loss): it adds `n * grads` and the window
-divides by its total weight, the sum of the `n_j` (a call without a weight
-counts 1), so the update is sum(n_j g_j) / sum(n_j), the big batch's own
-mean gradient even when micro-batches differ in size, sample weights or
-valid tokens.
-
-The `if` is a real branch on every backend, so accumulating micro-steps never
-run the update math; how each backend arranges it is in `_backend`. With
-`accum_iters=1` the optimizer is the parent optimizer: no extra variables
-and the parent's own code path.
-
-A call's arguments are checked before any state changes, so a call that
-raises changes nothing. A variable left out of a call counts as a `None`
-gradient: every call accumulates over all the variables the optimizer was
-built with.
+`transition.micro_step` computes every new value of the window
+(`_window/transition.py`: the features are its terms); the backend's
+`commit` writes them and, on the window's last micro-step, runs the close
+(`_window/close.py`), which calls the parent's `apply` once with the mean.
+A call's inputs are checked before anything is written, so a call that
+raises changes nothing. With `accum_iters=1` the optimizer is the parent
+optimizer: no extra variables and the parent's own code path.
 """
 
 import keras
-from keras import backend
 from keras import ops
 
 from accum_optimizers import _args
+from accum_optimizers import _backend
 from accum_optimizers import _inputs
 from accum_optimizers import _keras_private
 from accum_optimizers import schedules
-from accum_optimizers._backend import BackendAccumulation
 from accum_optimizers._batch_norm_windows import warn_of_other_windows
 from accum_optimizers._parent_args import bind_parent_arguments
-from accum_optimizers._validation import LOW_PRECISION_DTYPES
-from accum_optimizers._window.close import WindowClose
-from accum_optimizers._window.counts import WindowCounts
-from accum_optimizers._window.noise import WindowNoise
-from accum_optimizers._window.restore import WindowRestore
+from accum_optimizers._window import close
+from accum_optimizers._window import counts
+from accum_optimizers._window import noise
+from accum_optimizers._window import restore
+from accum_optimizers._window import step
+from accum_optimizers._window import transition
 from accum_optimizers._window.spec import Layout
+from accum_optimizers._window.spec import build_window
 from accum_optimizers._window.spec import window_state
-from accum_optimizers._window.step import WindowStep
 
 
 class _ParentClass:
     """`parent_class`, read on the class or an instance: the class that
-    `accumulating` gave (`_parent`). A descriptor rather than the class
-    itself, so that documentation tools reading the classes do not follow
-    it into Keras."""
+    `accumulating` gave (`_parent`). A descriptor, so that documentation
+    tools reading the classes do not follow it into Keras."""
 
     def __get__(self, optimizer, owner):
         return getattr(owner, "_parent", None)
 
 
-class GradientAccumulation(
-    WindowStep,
-    WindowClose,
-    WindowCounts,
-    WindowNoise,
-    WindowRestore,
-    BackendAccumulation,
-):
+class GradientAccumulation:
     """Mixin that makes a Keras optimizer accumulate gradients.
 
     Classes are made with `accum_optimizers.accumulating(parent)`, which
-    puts this mixin before `parent` in the bases and sets `parent_class`.
-    See the module docstring for the mechanism; the window's parts are in
-    `_window/` (its declared state, a micro-step, its close, its counts,
-    its saving) and each backend's arrangement in `_backend/`.
+    puts this class before `parent` in the bases and sets `parent_class`.
 
     Args:
         *args: the parent optimizer's positional arguments, in its order.
@@ -120,10 +86,16 @@ class GradientAccumulation(
         self.skip_nonfinite = accumulation["skip_nonfinite"]
         self.accumulator_dtype = accumulation["accumulator_dtype"]
         self.decay = accumulation["decay"]
-        # Whether a micro-batch has carried a weight (`_window/step.py`).
-        self._accum_counts_weights = False
-
-    # -- State -------------------------------------------------------------
+        self._window_backend = _backend.WindowBackend(self)
+        self._window = None
+        # Whether a micro-batch has carried a weight: windows then count
+        # samples (a Python fact, known when a compiled step is traced).
+        self._counts_weights = False
+        # Refused micro-batches the end of a `fit` has reported.
+        self._refused_reported = 0
+        # `{variable index: traced bool}` while a close updates variables
+        # under their seen bit (`_apply_window_mean`).
+        self._update_masks = {}
 
     def build(self, variables):
         if self.built:
@@ -131,72 +103,15 @@ class GradientAccumulation(
         unbuilt = len(self.variables)
         super().build(variables)
         parent = len(self.variables)
-        state_declared = window_state(self.measure_noise_scale)
+        state = window_state(self.measure_noise_scale)
         if self._has_window:
-            for state in state_declared:
-                variable = self._accum_add_variable(
-                    f"accum_{state.name}",
-                    shape=state.shape(len(variables)),
-                    dtype=state.dtype,
-                    aggregation=state.aggregation,
-                )
-                setattr(self, f"_accum_{state.name}", variable)
-            self._accum_sums = [
-                self._accum_add_sum(variable) for variable in variables
-            ]
-        self._accum_layout = Layout(
-            unbuilt, parent, len(self.variables), state_declared
-        )
+            self._window = build_window(self, variables, state)
+        self._accum_layout = Layout(unbuilt, parent, len(self.variables), state)
         warn_of_other_windows(self, variables)
         pending = self.__dict__.pop("_accum_pending_restore", None)
         if pending is not None:
-            with self._accum_outside_compiled_code():
-                self._accum_restore(list(pending))
-
-    def _accum_add_sum(self, variable):
-        dtype = self.accumulator_dtype
-        if dtype is None:
-            dtype = backend.standardize_dtype(variable.dtype)
-            if dtype in LOW_PRECISION_DTYPES:
-                dtype = "float32"
-        return self._accum_add_variable(
-            f"{variable.path.replace('/', '_')}_accum_sum",
-            shape=variable.shape,
-            dtype=dtype,
-            reference=variable,
-        )
-
-    def _accum_add_variable(
-        self, name, shape, dtype, reference=None, aggregation=None
-    ):
-        """Adds a replica-local variable (`synchronization="on_read"`).
-
-        Under `tf.distribute` each replica adds its own gradients into its
-        own copy, without communication; the window sums the copies once.
-        Read outside a replica (saving), a sum is the total over replicas;
-        assigned outside (restoring), it is split evenly. Elsewhere this is
-        a plain variable, laid out like `reference`. `aggregation` is
-        `"sum"` for sums (with a `reference`); the window's other variables
-        declare theirs (`WINDOW_STATE`).
-        """
-        if aggregation is None:
-            aggregation = "sum"
-        with self._accum_colocate(reference):
-            with keras.name_scope(self.name, caller=self):
-                variable = keras.Variable(
-                    initializer=keras.initializers.Zeros(),
-                    shape=shape,
-                    dtype=dtype,
-                    trainable=False,
-                    aggregation=aggregation,
-                    synchronization="on_read",
-                    layout=_keras_private.variable_layout(reference),
-                    name=name,
-                )
-        self._track_variable(variable)
-        return variable
-
-    # -- Introspection -----------------------------------------------------
+            with _backend.outside_compiled_code():
+                restore.restore(self, list(pending))
 
     @property
     def accum_iters(self):
@@ -211,26 +126,7 @@ class GradientAccumulation(
             accum_iters = dict(schedule.boundaries)
         else:
             accum_iters = schedule
-        if schedules.keyed_on_noise_scale(accum_iters) and not getattr(
-            self, "measure_noise_scale", True
-        ):
-            raise ValueError(
-                "`accum_iters=by_noise_scale(...)` follows the measured "
-                "noise scale: pass `measure_noise_scale=True` too. Received: "
-                f"accum_iters={accum_iters!r}, measure_noise_scale=False"
-            )
-        layout = self.__dict__.get("_accum_layout")
-        if layout is not None and not layout.has_window:
-            needs_window = not isinstance(accum_iters, int) or accum_iters > 1
-            if needs_window:
-                raise ValueError(
-                    f"Cannot set `accum_iters` of '{self.name}' to "
-                    f"{accum_iters!r}: it was built with accum_iters=1, "
-                    "without the window's state (its sums and counters). "
-                    "Set `accum_iters` before the optimizer is built (before "
-                    "the first `fit` or `apply`), or make a new optimizer. "
-                    f"Received: accum_iters={accum_iters!r}"
-                )
+        _args.check_settable_accum_iters(self, accum_iters)
         self._accum_iters = accum_iters
 
     @property
@@ -241,26 +137,17 @@ class GradientAccumulation(
 
     @measure_noise_scale.setter
     def measure_noise_scale(self, measure):
-        layout = self.__dict__.get("_accum_layout")
-        carries = layout is not None and any(
-            variable.noise_scale for variable in layout.state
-        )
-        if measure and layout is not None and not carries:
-            raise ValueError(
-                f"Cannot set `measure_noise_scale` of '{self.name}' to True: "
-                "it was built without the measurement's variables. Pass "
-                "`measure_noise_scale=True` when making the optimizer. "
-                f"Received: measure_noise_scale={measure!r}"
-            )
+        _args.check_settable_measure_noise_scale(self, measure)
         self._accum_measure_noise_scale = measure
 
     @property
+    def _accum_schedule(self):
+        return counts.schedule_of(self.accum_iters)
+
+    @property
     def _has_window(self):
-        """Whether the optimizer has a window, decided once, when it is
-        built: False for `accum_iters=1` (the parent optimizer unchanged),
-        unless the window's state is needed anyway: to skip non-finite
-        micro-batches, to measure the noise scale, or to count samples for
-        a learning rate keyed on them."""
+        """Whether the optimizer keeps a window (decided when it is built):
+        for `accum_iters > 1`, to skip, to measure, to count samples."""
         layout = self.__dict__.get("_accum_layout")
         if layout is not None:
             return layout.has_window
@@ -272,75 +159,300 @@ class GradientAccumulation(
             or schedules.keyed_on_samples(self._learning_rate)
         )
 
-    # -- The loss and the weight ---------------------------------------------
+    def apply(self, grads, trainable_variables=None, *, weight=None, loss=None):
+        """Adds a micro-batch's gradients to the window; updates the
+        weights on the window's last micro-batch.
+
+        Args:
+            grads: one gradient (or `None`) per variable.
+            trainable_variables: the variables, in the order of `grads`.
+                Defaults to those the optimizer was built with; one left
+                out counts as a `None` gradient.
+            weight: Optional number or scalar tensor, finite and `> 0`: the
+                normalizer of the micro-batch's loss (its sample count, the
+                sum of its sample weights, its valid tokens). The window
+                applies sum(weight_j * grads_j) / sum(weight_j), the mean
+                gradient of its concatenated batch. `None` counts `1`.
+                Under `tf.distribute`, each replica's own weight (`0` for
+                an empty share).
+            loss: Optional scalar: the micro-batch's loss (its mean, before
+                loss scaling), for `window_loss`; `fit` passes it itself.
+        """
+        if self._has_window:
+            self._window_backend.begin()
+        # What arrived beside the arguments is taken first: a call that
+        # raises leaves nothing behind for the next one.
+        micro_batch, checked = step.checked_inputs(
+            self, _inputs.take(self), weight, loss
+        )
+        with checked:
+            if not self._has_window:
+                # A window of one micro-batch: its weight cancels out.
+                return super().apply(grads, trainable_variables)
+            grads = list(grads)
+            if grads:
+                grads = step.laid_out(self, grads, trainable_variables)
+                with keras.name_scope(self.name, caller=self):
+                    self._micro_step(grads, micro_batch)
+
+    def _micro_step(self, grads, micro_batch):
+        """One micro-batch into the window: its new values computed, then
+        committed, with the close on the window's last micro-step."""
+        backend = self._window_backend
+        check_finite = self.skip_nonfinite and micro_batch.finite is None
+        squares, finite = backend.read_gradients(
+            grads, self.measure_noise_scale, check_finite
+        )
+        if self.skip_nonfinite and micro_batch.finite is not None:
+            finite = micro_batch.finite
+        enters = transition.enters(finite, micro_batch.valid)
+        if enters is not None:
+            enters = backend.agree(enters)
+        new = transition.micro_step(
+            self._window,
+            grads,
+            micro_batch,
+            enters,
+            counts.window_size(self),
+            squares,
+            _backend.replica_count(self),
+        )
+        with step.noting_partial_writes(self):
+            backend.commit(
+                self._window,
+                new,
+                grads,
+                lambda: close.close_window(self, new.present),
+            )
+
+    def _apply_window_mean(self, grads, variables, masks):
+        """The parent's update with the window's mean; a variable whose
+        index is in `masks` is updated only where its traced bool is true
+        (`update_step`)."""
+        self._update_masks = masks
+        try:
+            super().apply(grads, variables)
+        finally:
+            self._update_masks = {}
+
+    def update_step(self, gradient, variable, learning_rate):
+        mask = self._update_mask(variable)
+        parent_update_step = super().update_step
+        if mask is None:
+            return parent_update_step(gradient, variable, learning_rate)
+
+        def update():
+            # Its weight decay too, which `_apply_weight_decay` left out:
+            # Keras' own would `merge_call` inside this branch under
+            # tf.distribute.
+            _keras_private.decay_weight(self, variable)
+            parent_update_step(gradient, variable, learning_rate)
+
+        self._window_backend.run_if(mask, update)
+
+    def _apply_weight_decay(self, variables):
+        if self._update_masks:
+            # Variables updated under a mask decay in their `update_step`.
+            variables = [v for v in variables if self._update_mask(v) is None]
+        super()._apply_weight_decay(variables)
+
+    def _update_mask(self, variable):
+        if not self._update_masks:
+            return None
+        return self._update_masks.get(self._get_variable_index(variable))
+
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        # Keras' TensorFlow optimizer all-reduces every `apply`'s gradients
+        # here; a window's sums are all-reduced once, by its close.
+        if not self._has_window:
+            return super()._all_reduce_sum_gradients(grads_and_vars)
+        return grads_and_vars
+
+    def apply_gradients(self, grads_and_vars, *, weight=None, loss=None):
+        """`apply` on `(gradient, variable)` pairs; see `apply` for
+        `weight` and `loss`. Returns `iterations`, the number of applied
+        updates."""
+        grads, trainable_variables = zip(*grads_and_vars)
+        self.apply(grads, trainable_variables, weight=weight, loss=loss)
+        return self._iterations
+
+    def stateless_apply(
+        self,
+        optimizer_variables,
+        grads,
+        trainable_variables,
+        *,
+        weight=None,
+        loss=None,
+    ):
+        """Keras' `stateless_apply` (JAX and torch), with `apply`'s
+        `weight` and `loss`."""
+        if loss is not None:
+            _inputs.put_loss(self, loss)
+        if weight is not None:
+            _inputs.hand_over(self, _inputs.Handoff(weight, check=True))
+        try:
+            return super().stateless_apply(
+                optimizer_variables, grads, trainable_variables
+            )
+        finally:
+            _inputs.discard(self)  # left over only if it raised early
+
+    def flush(self):
+        """Applies the pending partial window, if any, and starts a new one.
+
+        A flushed window of `m` micro-batches of size `b` equals the parent
+        optimizer on one batch of `m * b` (weighted as in `apply`); it
+        updates the variables trainable now that received gradient in it.
+        A window whose gradients are not all finite is discarded with a
+        warning, the weights left as they are. Call it eagerly (as the
+        `FlushAccumulation` callback does).
+        """
+        close.flush(self)
 
     def scale_loss(self, loss):
         # `fit` calls this on the micro-batch's loss before differentiating
         # it: multiplying the loss by the micro-batch's weight weighs its
         # gradients for free, instead of multiplying every gradient.
-        self._accum_note_loss(loss)
-        loss = super().scale_loss(loss)
-        handoff = _inputs.handoff_of(self)
-        if handoff is None or handoff.loss_scaled or not self._has_window:
-            return loss
-        handoff.loss_scaled = True
-        return ops.multiply(loss, ops.cast(handoff.weight, loss.dtype))
-
-    # -- Keras 2 time decay ------------------------------------------------
+        _inputs.note_loss(self, loss)
+        return _inputs.weighed_loss(self, super().scale_loss(loss))
 
     def _get_current_learning_rate(self):
         if schedules.keyed_on_samples(self._learning_rate):
-            learning_rate = self._learning_rate.at_samples(
-                self._accum_samples()
-            )
+            learning_rate = self._learning_rate.at_samples(counts.samples(self))
         else:
             learning_rate = super()._get_current_learning_rate()
         if not self.decay:
             return learning_rate
+        # Keras 2's time decay.
         updates = ops.cast(self._iterations, "float32")
         return ops.divide(
             ops.cast(learning_rate, "float32"),
             ops.add(1.0, ops.multiply(self.decay, updates)),
         )
 
+    def finalize_variable_values(self, var_list):
+        # `fit` calls this once, at the end of training. The flag is this
+        # `fit`'s alone, also where the check below raises.
+        flushed, self.flush_at_train_end = self.flush_at_train_end, False
+        if self._has_window and self.built:
+            close.check_end_of_fit(self, flushed)
+        super().finalize_variable_values(var_list)
+
+    def load_own_variables(self, store):
+        restore.load_own_variables(self, store, super().load_own_variables)
+
     def get_config(self):
-        config = super().get_config()
-        accum_iters = self.accum_iters
-        if isinstance(accum_iters, schedules.AccumSchedule):
-            accum_iters = keras.saving.serialize_keras_object(accum_iters)
-        config.update(
-            {name: getattr(self, name) for name in _args.config_names()}
-        )
-        config["accum_iters"] = accum_iters
-        return config
+        return {**super().get_config(), **_args.config_of(self)}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        accum_iters = config.get("accum_iters")
-        if isinstance(accum_iters, dict) and "class_name" in accum_iters:
-            config = dict(config)
-            config["accum_iters"] = keras.saving.deserialize_keras_object(
-                accum_iters, custom_objects=custom_objects
-            )
-        _check_saved_arguments(cls, config)
+        config = _args.loaded_config(cls, config, custom_objects)
         return super().from_config(config, custom_objects=custom_objects)
 
+    # -- Read-outs ---------------------------------------------------------
 
-def _check_saved_arguments(cls, config):
-    """Raises a `ValueError` that leads with the reason where an
-    accumulation argument in `config` (a saved or edited configuration of
-    `cls`) is refused.
+    @property
+    def current_accum_iters(self):
+        """The window size now, as a Python int (`accum_iters`, or the
+        schedule's value at the current number of applied updates)."""
+        return int(ops.convert_to_numpy(counts.window_size(self)))
 
-    Keras wraps a `TypeError` raised by `from_config` in its generic "could
-    not be deserialized properly" message, which prints the whole config
-    and ends with ours; it passes a `ValueError` on as it is.
-    """
-    try:
-        _args.checked(config)
-    except TypeError as error:
-        raise ValueError(
-            f"{error}. In the saved configuration of {cls.__name__}."
-        ) from None
+    @property
+    def micro_steps(self):
+        """Micro-batches held in the pending window, `0..accum_iters - 1`
+        (`iterations` counts applied updates)."""
+        return counts.read(self, lambda w: w.micro_steps, _zero_int)
+
+    @property
+    def micro_batches_seen(self):
+        """Micro-batches (`apply` calls) accumulated since creation (not
+        those a `LossScaleOptimizer` drops before they reach it)."""
+        return counts.read(
+            self, lambda w: w.micro_batches, self._iterations_now
+        )
+
+    @property
+    def skipped_micro_batches(self):
+        """Micro-batches left out of their window because their gradients
+        were not finite (`skip_nonfinite=True`), since creation."""
+        return counts.read(self, lambda w: w.skipped, _zero_int)
+
+    @property
+    def samples_seen(self):
+        """The total weight of the applied windows (float32): samples,
+        tokens or sample weights when windows are weighted, micro-batches
+        otherwise; `by_samples` schedules are keyed on it."""
+        if not self._has_window or not self.built:
+            return ops.cast(self.iterations, "float32")
+        return counts.samples(self)
+
+    @property
+    def window_loss(self):
+        """The last applied window's loss: its micro-batches' losses
+        weighed as their gradients are, the big batch's loss (a custom
+        loop passes `apply(..., loss=)`). NaN where a micro-batch came
+        without its loss; `0` before the first update."""
+        return counts.read(self, lambda w: w.window_loss, _zero_float)
+
+    @property
+    def window_grad_norm(self):
+        """The norm of the last applied window's mean gradient (before
+        clipping), the big batch's; `0` before the first update, infinite
+        where its weighted sums square past float32's range."""
+        return counts.read(self, lambda w: w.window_grad_norm, _zero_float)
+
+    @property
+    def last_apply_updated(self):
+        """Whether the last `apply` (or `flush`) updated the weights."""
+        return counts.last_apply_updated(self)
+
+    @property
+    def noise_scale(self):
+        """The gradient noise scale `B_simple = tr(Sigma) / |G|^2`: the
+        ratio of the moving averages of the windows' estimates, in the unit
+        of the window's weight. Infinite where the average `|G|^2` is not
+        positive; NaN before the first window of two or more micro-batches,
+        and without `measure_noise_scale=True`."""
+        return noise.read(self, "noise_scale")
+
+    @property
+    def gradient_sq_norm(self):
+        """The moving average of the windows' unbiased estimates of
+        `|G|^2`, the true gradient's squared norm (NaN before the first
+        estimate, and where not measured)."""
+        return noise.read(self, "gradient_sq_norm")
+
+    @property
+    def gradient_noise_trace(self):
+        """The moving average of the windows' unbiased estimates of
+        `tr(Sigma)`, the trace of the per-sample (per unit of weight)
+        gradient covariance (NaN before the first estimate, and where not
+        measured)."""
+        return noise.read(self, "gradient_noise_trace")
+
+    @property
+    def window_gradient_sq_norm(self):
+        """The last applied window's unbiased estimate of `|G|^2`: NaN for
+        a window of one micro-batch, `0` before the first update."""
+        return noise.read(self, "window_gradient_sq_norm")
+
+    @property
+    def window_noise_trace(self):
+        """The last applied window's unbiased estimate of `tr(Sigma)`: NaN
+        for a window of one micro-batch, `0` before the first update."""
+        return noise.read(self, "window_noise_trace")
+
+    def _iterations_now(self):
+        return self.iterations
+
+
+def _zero_int():
+    return ops.zeros((), dtype="int32")
+
+
+def _zero_float():
+    return ops.zeros((), dtype="float32")
 
 
 if GradientAccumulation.__doc__:  # None under `python -OO`

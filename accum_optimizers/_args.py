@@ -8,6 +8,7 @@
 
 import inspect
 
+import keras
 import numpy as np
 
 from accum_optimizers import schedules
@@ -181,3 +182,81 @@ def docstring(parent):
         f"    {argument.name}: {argument.doc.format(parent=parent)}"
         for argument in ARGUMENTS
     )
+
+
+def check_settable_accum_iters(optimizer, accum_iters):
+    """Raises where `optimizer` cannot take `accum_iters` (a checked
+    value): a window keyed on a noise scale it does not measure, or a
+    window on an optimizer built without one."""
+    if schedules.keyed_on_noise_scale(accum_iters) and not getattr(
+        optimizer, "measure_noise_scale", True
+    ):
+        raise ValueError(
+            "`accum_iters=by_noise_scale(...)` follows the measured "
+            "noise scale: pass `measure_noise_scale=True` too. Received: "
+            f"accum_iters={accum_iters!r}, measure_noise_scale=False"
+        )
+    layout = optimizer.__dict__.get("_accum_layout")
+    if layout is None or layout.has_window:
+        return
+    if not isinstance(accum_iters, int) or accum_iters > 1:
+        raise ValueError(
+            f"Cannot set `accum_iters` of '{optimizer.name}' to "
+            f"{accum_iters!r}: it was built with accum_iters=1, "
+            "without the window's state (its sums and counters). "
+            "Set `accum_iters` before the optimizer is built (before "
+            "the first `fit` or `apply`), or make a new optimizer. "
+            f"Received: accum_iters={accum_iters!r}"
+        )
+
+
+def check_settable_measure_noise_scale(optimizer, measure):
+    """Raises where `optimizer` was built without the noise scale's
+    variables and `measure` is true."""
+    layout = optimizer.__dict__.get("_accum_layout")
+    if not measure or layout is None:
+        return
+    if not any(variable.noise_scale for variable in layout.state):
+        raise ValueError(
+            f"Cannot set `measure_noise_scale` of '{optimizer.name}' to "
+            "True: it was built without the measurement's variables. Pass "
+            "`measure_noise_scale=True` when making the optimizer. "
+            f"Received: measure_noise_scale={measure!r}"
+        )
+
+
+def check_saved(cls, config):
+    """Raises a `ValueError` that leads with the reason where an
+    accumulation argument in `config` (a saved or edited configuration of
+    `cls`) is refused: Keras wraps a `TypeError` raised by `from_config`
+    in a generic message that prints the whole config first, and passes a
+    `ValueError` on as it is."""
+    try:
+        checked(config)
+    except TypeError as error:
+        raise ValueError(
+            f"{error}. In the saved configuration of {cls.__name__}."
+        ) from None
+
+
+def config_of(optimizer):
+    """The accumulation arguments of `optimizer`'s `get_config`."""
+    config = {name: getattr(optimizer, name) for name in config_names()}
+    if isinstance(optimizer.accum_iters, schedules.AccumSchedule):
+        config["accum_iters"] = keras.saving.serialize_keras_object(
+            optimizer.accum_iters
+        )
+    return config
+
+
+def loaded_config(cls, config, custom_objects):
+    """`config`, a saved configuration of `cls`, with its `accum_iters`
+    schedule deserialized and its accumulation arguments checked."""
+    accum_iters = config.get("accum_iters")
+    if isinstance(accum_iters, dict) and "class_name" in accum_iters:
+        config = dict(config)
+        config["accum_iters"] = keras.saving.deserialize_keras_object(
+            accum_iters, custom_objects=custom_objects
+        )
+    check_saved(cls, config)
+    return config

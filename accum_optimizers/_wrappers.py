@@ -34,6 +34,7 @@ import weakref
 import keras
 import numpy as np
 
+from accum_optimizers import _backend
 from accum_optimizers import _inputs
 from accum_optimizers import _keras_private
 from accum_optimizers._accumulation import GradientAccumulation
@@ -44,6 +45,7 @@ from accum_optimizers._validation import validate_loss
 from accum_optimizers._validation import validate_weighable
 from accum_optimizers._validation import validate_weight
 from accum_optimizers._window.restore import pending_restore
+from accum_optimizers._window.step import laid_out
 
 # The Keras classes `install` patched (a second `install` leaves them be).
 _PATCHED = set()
@@ -161,7 +163,7 @@ def _noting_scale_loss(scale_loss):
         # `fit` hands the loss to the optimizer it compiled with: the
         # inner optimizer's `window_loss` needs it too.
         if is_accumulating_class(self.inner_optimizer):
-            self.inner_optimizer._accum_note_loss(loss)
+            _inputs.note_loss(self.inner_optimizer, loss)
         return scale_loss(self, loss)
 
     return noting_scale_loss
@@ -182,14 +184,16 @@ def _install_multi_optimizer():
 
     def noting_scale_loss(self, loss):
         for optimizer in accumulating(self):
-            optimizer._accum_note_loss(loss)
+            _inputs.note_loss(optimizer, loss)
         return scale_loss(self, loss)
 
     def agreeing_apply(self, grads, trainable_variables=None):
         _check_inner_calls(self, grads, trainable_variables)
         skipping = [o for o in accumulating(self) if o.skip_nonfinite]
         if skipping and len(grads):
-            finite = skipping[0]._accum_all_finite(grads)
+            finite = skipping[0]._window_backend.read_gradients(
+                grads, squares=False, finite=True
+            )[1]
             for optimizer in skipping:
                 _inputs.put_finite(optimizer, finite)
         try:
@@ -247,6 +251,6 @@ def _check_call(optimizer, grads, variables):
         validate_weighable(optimizer.accumulator_dtype)
         value = concrete_value(handoff.weight) if handoff.check else None
         if value is not None:
-            zero_allowed = optimizer._accum_zero_weight_allowed()
+            zero_allowed = _backend.zero_weight_allowed()
             validate_weight(value, handoff.weight, zero_allowed)
-    optimizer._accum_gradients_of_every_variable(list(grads), variables)
+    laid_out(optimizer, list(grads), variables)

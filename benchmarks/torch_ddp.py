@@ -162,7 +162,7 @@ def rank_main(args):
             runs[way][3].append(steps * args.micro_batch * args.ranks / seconds)
             runs[way][4].extend(last)
             runs[way][5].extend(others)
-    sums = runs["per_window"][2]._accum_sums
+    sums = runs["per_window"][2]._window.sums
     result = {
         way: {
             "samples_per_s": statistics.median(runs[way][3]),

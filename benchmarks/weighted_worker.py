@@ -50,9 +50,10 @@ CONFIGS = [
 
 
 def total_weight(optimizer):
-    if not hasattr(optimizer, "_accum_total_weight"):
+    window = getattr(optimizer, "_window", None)
+    if window is None:
         return None
-    return float(ops.convert_to_numpy(optimizer._accum_total_weight.value))
+    return float(ops.convert_to_numpy(window.total_weight.value))
 
 
 def fit_step(config, x, y, batch, mode):
@@ -154,7 +155,7 @@ def _jax_step(model, optimizer, x, y, batch, weighted):
     ]
     weight = jax.numpy.asarray(float(batch))
     index = [id(v) for v in optimizer.variables].index(
-        id(optimizer._accum_total_weight)
+        id(optimizer._window.total_weight)
     )
 
     def run():

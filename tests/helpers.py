@@ -428,11 +428,12 @@ def window_state(optimizer):
     place the tests read the window's internals."""
     from accum_optimizers._window import spec
 
+    window = optimizer._window
     state = {
-        variable.name: getattr(optimizer, f"_accum_{variable.name}")
+        variable.name: getattr(window, variable.name)
         for variable in spec.window_state(optimizer.measure_noise_scale)
     }
-    state["sums"] = optimizer._accum_sums
+    state["sums"] = window.sums
     return state
 
 

@@ -1,37 +1,35 @@
-"""The backend's accumulation class, chosen once at import as Keras chooses
-its backend optimizer class (`keras/src/optimizers/optimizer.py`), its
-`outside_compiled_code` context for the wrappers' own variables, and what
-the rest of the package asks of the backend (device memory, random state,
-what a failed step leaves), chosen once alike: the modules outside
-`_backend/` call these and name no backend."""
+"""The backend's window (`WindowBackend`, see `base.py`) and the facts of
+its environment, chosen once at import as Keras chooses its backend
+optimizer class (`keras/src/optimizers/optimizer.py`); and what the rest of
+the package asks of the backend (device memory, random state, what a
+failed step leaves), chosen once alike: the modules outside `_backend/`
+call these and name no backend."""
 
 from keras import backend
 
 if backend.backend() == "tensorflow":
+    from accum_optimizers._backend import tensorflow as _window
     from accum_optimizers._backend import tensorflow_runtime as _chosen
-    from accum_optimizers._backend.tensorflow import (
-        TFAccumulation as BackendAccumulation,
-    )
 elif backend.backend() == "jax":
+    from accum_optimizers._backend import jax as _window
     from accum_optimizers._backend import jax_runtime as _chosen
-    from accum_optimizers._backend.jax import (
-        JaxAccumulation as BackendAccumulation,
-    )
 elif backend.backend() == "torch":
+    from accum_optimizers._backend import torch as _window
     from accum_optimizers._backend import torch_runtime as _chosen
-    from accum_optimizers._backend.torch import (
-        TorchAccumulation as BackendAccumulation,
-    )
 else:
     raise ImportError(
         "accum_optimizers supports the Keras backends 'tensorflow', 'jax' "
         f"and 'torch'. Received: KERAS_BACKEND={backend.backend()!r}"
     )
 
-# The backend's context for assignments that run once, now, even while a
-# compiled function is traced: for variables that are not an accumulating
-# optimizer's (a `LossScaleOptimizer`'s loss scale, restored in `build`).
-outside_compiled_code = BackendAccumulation._accum_outside_compiled_code
+# The window's hooks, and its environment (documented in `base.py`).
+WindowBackend = _window.WindowBackend
+colocate = _window.colocate
+outside_compiled_code = _window.outside_compiled_code
+replica_count = _window.replica_count
+zero_weight_allowed = _window.zero_weight_allowed
+kept_loss = _window.kept_loss
+train_step_loss = _window.train_step_loss
 
 # Each is documented in every `*_runtime.py`, which defines them all.
 SUPPORTS_MEMORY_ANALYSIS = _chosen.SUPPORTS_MEMORY_ANALYSIS
@@ -51,21 +49,26 @@ set_random_state = _chosen.set_random_state
 quiet_python_logger = _chosen.quiet_python_logger
 
 __all__ = [
-    "BackendAccumulation",
     "COMPILER_RETRACES_EACH_HAND_OVER",
     "COUNTS_ITERATIONS_BEFORE_UPDATE",
     "EMBEDDING_GRADIENTS_ARE_SPARSE",
     "FAILED_STEP_WRITES_NO_STATE",
     "NEEDS_WINDOW_SYNC",
     "SUPPORTS_MEMORY_ANALYSIS",
+    "WindowBackend",
     "allocator_peak",
     "asserted_normalizer",
+    "colocate",
     "compiled_peak",
     "free_device_memory",
     "is_out_of_memory",
+    "kept_loss",
     "outside_compiled_code",
     "quiet_python_logger",
     "random_state",
+    "replica_count",
     "reset_allocator_peak",
     "set_random_state",
+    "train_step_loss",
+    "zero_weight_allowed",
 ]

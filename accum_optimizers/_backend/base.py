@@ -1,212 +1,202 @@
-"""The accumulation hooks, with the defaults most backends use.
+"""The window's backend interface, with the defaults most backends use.
 
-`GradientAccumulation` (`_accumulation.py`) owns the counters, the checks and
-the window's bookkeeping; for the work of one micro-step it calls the hooks
-below, which a backend class (`tensorflow.py`, `jax.py`, `torch.py`)
-overrides where its cheapest arrangement differs, as Keras' own
-`TFOptimizer`, `JaxOptimizer` and `TorchOptimizer` override
-`BaseOptimizer`. Hooks are methods of the optimizer, prefixed `_accum_` so
-they never shadow a parent optimizer's own names.
+The accumulating optimizer computes a micro-step as a value
+(`_window/transition.py`) and hands its writes to one object per
+optimizer, a `WindowBackend`, through the eight hooks below. A backend
+module (`tensorflow.py`, `jax.py`, `torch.py`) subclasses it where its
+cheapest arrangement differs, as Keras' own `TFOptimizer`, `JaxOptimizer`
+and `TorchOptimizer` override `BaseOptimizer`. Each backend module also
+defines the facts of its environment the window needs (the functions at
+the end of this module are the defaults).
 """
 
 import contextlib
 
 from keras import ops
 
-from accum_optimizers import _inputs
 from accum_optimizers._finite import all_finite
+from accum_optimizers._finite import masked
 from accum_optimizers._finite import sums_of_squares
-from accum_optimizers._window.spec import resetting_variables
 
 
-class Accumulation:
-    """Default accumulation hooks (eager branching, `ops` arithmetic)."""
+class WindowBackend:
+    """How one optimizer's window runs on this backend.
 
-    def _accum_colocate(self, reference):
-        """Context in which a new optimizer variable is placed with
-        `reference` (a model variable, or `None`)."""
-        return contextlib.nullcontext()
+    Args:
+        optimizer: the accumulating optimizer it serves.
+    """
 
-    @staticmethod
-    def _accum_outside_compiled_code():
-        """Context in which assignments run once, now, even while a
-        compiled function is being traced (restoring state in `build`).
-        Static: a wrapper's own variables need it too
-        (`_backend.outside_compiled_code`)."""
-        return contextlib.nullcontext()
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
 
-    def _accum_after(self, grads):
-        """Context in which the call's counters change only once `grads`
-        (one gradient or `None` per variable) exist: in a graph, a step
-        that fails to produce its data must change no counter. The sums
-        need none: each waits for its own gradient."""
-        return contextlib.nullcontext()
+    def begin(self, flushing=False):
+        """Called first in every `apply` (and in `flush` of a pending
+        window, with `flushing=True`), before anything is read."""
 
-    def _accum_begin_apply(self):
-        """Called first in every `apply` of an accumulating optimizer,
-        before its inputs are read (torch: the backward that ran since the
-        last `apply` is this call's, see `torch_overlap.py`)."""
+    def read_gradients(self, grads, squares, finite):
+        """The one read of a micro-batch's gradients for the features:
+        `(squares, finite)`, the float32 sum of squares of each gradient
+        (`None`s left out) where `squares`, and whether every entry is
+        finite (a bool or a traced scalar bool) where `finite`; `None`
+        for what is not asked."""
+        sq = sums_of_squares(grads) if squares else None
+        return sq, (all_finite(grads, squares=sq) if finite else None)
 
-    def _accum_check_gradients(self, grads, weight, scaled):
-        """Raises, before any state changes, where the backend cannot take
-        `grads` (one gradient or `None` per variable) with `weight` (the
-        call's, checked: `None`, a float or a traced scalar); `scaled`:
-        the gradients arrive multiplied by `weight`."""
+    def agree(self, flag):
+        """`flag` (this replica's or rank's bool) and-ed over every replica
+        or rank, so that they all take the same branch. Identity where
+        programs see global arrays or there is one replica."""
+        return flag
 
-    def _accum_micro_step(
-        self, sums, grads, new_window, update_switch, apply_window, weight=None
-    ):
-        """One micro-step: add `grads` into `sums`, and close the window.
+    def check_weight(self, weight):
+        """`(weight, context)`: makes the call fail, before the writes that
+        run in `context`, unless the traced float32 scalar `weight` is
+        finite and `> 0`; where compiled code cannot fail, the weight
+        returned is NaN instead, which makes the window's update NaN."""
+        return weight, contextlib.nullcontext()
 
-        Args:
-            sums: the accumulator variables, one per gradient.
-            grads: this micro-batch's gradients; `None` adds nothing.
-            new_window: scalar bool, this is the window's first micro-step:
-                `sums` may hold the previous window's values (see
-                `_accum_end_window`) and must be overwritten.
-            update_switch: scalar bool, this is the window's last
-                micro-step.
-            apply_window: called as `apply_window(totals)`, with `totals`
-                the window's sums including `grads`, only when
-                `update_switch` is true.
-            weight: `None`, or the number (a Python float or a scalar
-                tensor) to multiply `grads` by before adding them.
-        """
-        self._accum_add(sums, grads, new_window, weight)
-        self._accum_run_if(
-            update_switch, lambda: apply_window([s.value for s in sums])
-        )
+    def commit(self, window, step, grads, close):
+        """Writes a micro-step: `step`'s counters (a `transition.Step`),
+        then each gradient into its sum (`window.sums`, aligned with
+        `grads`; `None` adds nothing) multiplied by `step.weight`,
+        overwriting the sum on the window's first micro-step, nothing where
+        `step.enters` is false; then runs `close()` where `step.closes`."""
+        write_counters(window, step)
+        add_into_sums(self.optimizer, window, step, grads)
+        self.run_if(step.closes, close)
 
-    def _accum_add(self, sums, grads, new_window, weight=None):
-        """`sum += weight * grad`, or `sum = weight * grad` (zero for
-        `None`) on a new window.
-
-        One select fused into the add: under XLA cheaper than zeroing the
-        sums in a separate pass.
-        """
-        grads = self._accum_weighed(sums, grads, weight)
-        for total, grad in zip(sums, grads):
-            if grad is None:
-                grad = ops.zeros(total.shape, total.dtype)
-                added = total.value
-            else:
-                grad = ops.cast(grad, total.dtype)
-                added = ops.add(total.value, grad)
-            total.assign(ops.where(new_window, grad, added))
-
-    def _accum_run_if(self, pred, fn):
+    def run_if(self, pred, fn):
         """Runs `fn()`, which assigns variables, only when `pred` is true,
         without computing its math otherwise."""
         if bool(pred):
             fn()
 
-    def _accum_check_traced_weight(self, weight):
-        """`(weight, context)`: makes the call fail, before the state
-        changes run in `context`, unless the traced scalar `weight` is
-        finite and `> 0` (concrete weights are checked in Python). Where
-        compiled code cannot fail (XLA), the returned weight is NaN
-        instead, which makes the window's update NaN."""
-        return weight, contextlib.nullcontext()
-
-    def _accum_zero_weight_allowed(self):
-        """Whether a weight may be `0`: a replica's, under tf.distribute,
-        whose share of the micro-batch is empty."""
-        return False
-
-    def _accum_weighed(self, sums, grads, weight):
-        """`grads` multiplied by `weight` (unchanged for `None`), each in
-        its sum's dtype."""
-        if weight is None:
-            return grads
-        return [
-            None if grad is None else self._accum_scale(grad, weight, s.dtype)
-            for s, grad in zip(sums, grads)
-        ]
-
-    def _accum_scale(self, grad, weight, dtype):
-        """`weight * grad`, in `dtype` (the sum's), multiplied in float32 at
-        least: a token count is not a bfloat16 number."""
-        wide = "float64" if dtype == "float64" else "float32"
-        product = ops.multiply(ops.cast(grad, wide), ops.cast(weight, wide))
-        return ops.cast(product, dtype)
-
-    def _accum_reduce_window(self, sums, extras, total_weight):
+    def reduce_window(self, sums, extras, total_weight):
         """`(sums, extras, total_weight)`: the window's gradient `sums` and
-        its other float32 tensors (`extras`: its loss sum, seen-mask and
-        noise sums) added over replicas, and its total weight averaged over
-        them (each replica's gradients are already divided by the number
-        of replicas, as Keras' losses do); a no-op where programs see
-        global arrays (keras.distribution) or there is one replica."""
+        its other float32 tensors added over replicas, its total weight
+        averaged over them, in one exchange. Identity where programs see
+        global arrays or there is one replica."""
         return sums, extras, total_weight
 
-    def _accum_window_mean(self, totals, count):
-        """`totals / count`."""
-        return [ops.divide(t, ops.cast(count, t.dtype)) for t in totals]
+    def mean(self, sums, totals, divisor):
+        """The window's means `totals / divisor`, to hand to the parent's
+        update; `sums` are the variables `totals` were read from, dead
+        until the next window overwrites them, where a backend may keep
+        the means."""
+        return [ops.divide(t, ops.cast(divisor, t.dtype)) for t in totals]
 
-    def _accum_finite_everywhere(self, finite):
-        """Whether every process's pending window is finite, given whether
-        this one's is (`flush` discards a window unless all are)."""
-        return finite
 
-    def _accum_store_means(self, sums, means):
-        """The window's means, to hand to the parent's update; a backend
-        may keep them in `sums` (the accumulator variables), which the
-        window leaves dead (see `_accum_end_window`)."""
-        return means
+def targets(optimizer, window, grads):
+    """`(sum, grad, overwrite)` per variable: `overwrite` for float8
+    scales, whose window keeps a maximum."""
+    return [
+        (total, grad, optimizer._overwrite_variable_with_gradient(v))
+        for total, grad, v in zip(
+            window.sums, grads, optimizer._trainable_variables
+        )
+    ]
 
-    def _accum_if_finite(self, finite, micro_step):
-        """Runs the micro-step unless `finite`, a traced scalar bool, is
-        false. `micro_step(finite)` masks its state changes by `finite`
-        (`micro_step(None)`: unmasked). The default masks: compiled code
-        that copies every variable a branch writes (XLA) runs the same ops
-        either way."""
-        micro_step(finite)
 
-    def _accum_agree_finite(self, finite):
-        """Whether every replica's (or rank's) micro-batch gradients are
-        finite, given whether this one's are (a scalar bool): a skipped
-        micro-batch is skipped everywhere. Identity where programs see
-        global arrays (keras.distribution) or there is one replica."""
-        return finite
+def add_into_sums(optimizer, window, step, grads):
+    """`commit`'s writes into the sums, in `keras.ops`: masked where
+    `step.enters` may be false, the select fused into the add."""
+    grads = [masked(g, step.enters) for g in grads]
+    for total, grad, overwrite in targets(optimizer, window, grads):
+        if overwrite:
+            keep_maximum(total, grad, step)
+        else:
+            _add(total, scaled(grad, step.weight, total.dtype), step.opens)
 
-    def _accum_end_window(self):
-        """Starts a new window: the variables the spec declares `resets`
-        are zeroed; the sums are left for the next window's first
-        micro-step to overwrite."""
-        for counter in resetting_variables(self):
-            counter.assign(ops.zeros(counter.shape, counter.dtype))
 
-    def _accum_note_loss(self, loss):
-        """Keeps the loss of this thread's micro-batch for its `apply`
-        (`fit` computes the loss, then applies its gradients)."""
-        if self._has_window:
-            _inputs.put_loss(self, loss)
+def write_counters(window, step):
+    """Assigns the window's counters as `step` computed them."""
+    window.micro_steps.assign(step.micro_steps)
+    window.micro_batches.assign(step.micro_batches)
+    window.seen.assign(step.seen)
+    window.total_weight.assign(step.total_weight)
+    window.loss_sum.assign(step.loss_sum)
+    if step.skipped is not None:
+        window.skipped.assign(step.skipped)
+    if step.noise_sums is not None:
+        window.noise_sq_norm_sum.assign(step.noise_sums[0])
+        window.noise_inverse_weight_sum.assign(step.noise_sums[1])
+        window.noise_micro_batches.assign(step.noise_sums[2])
 
-    def _accum_loss_outside_apply(self):
-        """The micro-batch's loss where it reaches the optimizer neither as
-        an argument nor through `_accum_note_loss`, or `None`."""
-        return None
 
-    def _accum_all_finite(self, grads, squares=None):
-        """Whether every entry of `grads` is finite (`skip_nonfinite`): a
-        bool, or a traced scalar bool. `squares`: the gradients' sums of
-        squares where the noise scale is measured (see `all_finite`)."""
-        return all_finite(grads, squares=squares)
+def scaled(grad, weight, dtype):
+    """`weight * grad` in `dtype` (a sum's), multiplied in float32 at
+    least (a token count is not a bfloat16 number); `grad` for a `None`
+    weight or gradient. An `IndexedSlices` stays one."""
+    if weight is None or grad is None:
+        return grad
+    if hasattr(grad, "dense_shape"):
+        values = scaled(grad.values, weight, dtype)
+        return type(grad)(values, grad.indices, grad.dense_shape)
+    wide = "float64" if dtype == "float64" else "float32"
+    product = ops.multiply(ops.cast(grad, wide), ops.cast(weight, wide))
+    return ops.cast(product, dtype)
 
-    def _accum_sums_of_squares(self, grads):
-        """The float32 sum of squares of each gradient (`None`s left out),
-        for the noise scale."""
-        return sums_of_squares(grads)
 
-    def _accum_samples_in(self, total_weight):
-        """What a closing window adds to `samples_seen`, from its total
-        weight as the close divides by it."""
-        return total_weight
+def keep_maximum(total, grad, step):
+    """float8 scale variables (`overwrite_with_gradient`): the window keeps
+    the maximum of its "gradients", as the big batch computes."""
+    if grad is None:
+        return
+    grad = ops.cast(grad, total.dtype)
+    kept = ops.where(step.opens, grad, ops.maximum(total.value, grad))
+    if step.enters is not None:
+        kept = ops.where(step.enters, kept, total.value)
+    total.assign(kept)
 
-    def _accum_replicas(self):
-        """The number of replicas `R` whose gradients each arrive divided
-        by `R` and are added over them once per window (tf.distribute, as
-        Keras' losses divide them); 1 where programs see global arrays
-        (keras.distribution) or each rank's gradients are its own mean
-        (torch `sync_windows`)."""
-        return 1
+
+def _add(total, grad, opens):
+    """`total += grad`, or `total = grad` (zero for `None`) where `opens`:
+    one select fused into the add, under XLA cheaper than zeroing the sums
+    in a pass of their own."""
+    if grad is None:
+        total.assign(ops.where(opens, ops.zeros_like(total.value), total.value))
+        return
+    grad = ops.cast(grad, total.dtype)
+    total.assign(ops.where(opens, grad, ops.add(total.value, grad)))
+
+
+# The environment's facts, for backends that have nothing to add.
+
+
+def colocate(optimizer, reference):
+    """Context in which a new optimizer variable is placed with
+    `reference` (a model variable, or `None`)."""
+    return contextlib.nullcontext()
+
+
+def outside_compiled_code():
+    """Context in which assignments run once, now, even while a compiled
+    function is being traced (restoring state in `build`)."""
+    return contextlib.nullcontext()
+
+
+def replica_count(optimizer):
+    """The number of replicas `R` whose gradients each arrive divided by
+    `R` and are added over them once per window (tf.distribute); 1 where
+    programs see global arrays or each rank's gradients are its own mean
+    (torch `sync_windows`)."""
+    return 1
+
+
+def zero_weight_allowed():
+    """Whether a weight may be `0`: a replica's whose share of the
+    micro-batch is empty."""
+    return False
+
+
+def kept_loss(loss):
+    """What the optimizer keeps of the loss `scale_loss` receives, for its
+    `apply`, or `None` where that loss is not the value (JAX
+    differentiates it; `train_step_loss` reads it)."""
+    return loss
+
+
+def train_step_loss():
+    """The micro-batch's loss where it reaches the optimizer neither as an
+    argument nor through `scale_loss`, or `None`."""
+    return None

@@ -1,8 +1,8 @@
-"""JAX: the window's update runs inside a loop that runs zero times or once.
+"""JAX: the window's close runs inside a loop that runs zero times or once.
 
-Inside `jax.jit` (Keras' `stateless_apply`), `update_switch` is a tracer.
-Keras' own accumulation computes the whole update every micro-step and
-selects the result with `lax.cond`. Here the update runs in the body of a
+Inside `jax.jit` (Keras' `stateless_apply`), `closes` is a tracer. Keras'
+own accumulation computes the whole update every micro-step and selects
+the result with `lax.cond`. Here the update runs in the body of a
 `lax.while_loop` that runs zero times or once, so XLA executes the update
 math only on the window's last micro-step. A loop rather than `lax.cond`:
 XLA copies every array a conditional returns on every call, taken or not
@@ -16,20 +16,12 @@ import jax.numpy as jnp
 from keras import StatelessScope
 
 from accum_optimizers import _keras_private
-from accum_optimizers._backend.base import Accumulation
+from accum_optimizers._backend import base
 from accum_optimizers._validation import MIN_WEIGHT
 
 
-class JaxAccumulation(Accumulation):
-    def _accum_note_loss(self, loss):
-        # `fit` differentiates the function that computes the loss: its
-        # value exists only outside it, in the train step.
-        return
-
-    def _accum_loss_outside_apply(self):
-        return _keras_private.jax_train_step_loss()
-
-    def _accum_check_traced_weight(self, weight):
+class WindowBackend(base.WindowBackend):
+    def check_weight(self, weight):
         # Compiled code cannot raise without a host callback, which costs
         # every micro-step even when it never fires: an invalid weight makes
         # the window's gradients NaN instead, which `flush` discards and
@@ -37,11 +29,11 @@ class JaxAccumulation(Accumulation):
         valid = jnp.logical_and(jnp.isfinite(weight), weight >= MIN_WEIGHT)
         return jnp.where(valid, weight, jnp.nan), contextlib.nullcontext()
 
-    def _accum_run_if(self, pred, fn):
+    def run_if(self, pred, fn):
         if not _keras_private.is_jax_tracer(pred):
-            return super()._accum_run_if(pred, fn)
-
-        state = list(self._trainable_variables) + self.variables
+            return super().run_if(pred, fn)
+        optimizer = self.optimizer
+        state = list(optimizer._trainable_variables) + optimizer.variables
 
         def taken(values):
             # `fn` assigns variables; a nested stateless scope seeded with
@@ -60,11 +52,26 @@ class JaxAccumulation(Accumulation):
         for variable, value in zip(state, values):
             variable.assign(value)
 
-    def _accum_store_means(self, sums, means):
-        # Inside the window's loop the sums are loop-carried buffers: a
-        # mean written back into its sum's buffer takes no memory of its
-        # own, where XLA would otherwise hold every mean at once beside the
-        # sums (a second parameter-sized buffer).
-        for total, mean in zip(sums, means):
+    def mean(self, sums, totals, divisor):
+        # Inside the close's loop the sums are loop-carried buffers: a mean
+        # written back into its sum's buffer takes no memory of its own,
+        # where XLA would otherwise hold every mean at once beside the sums.
+        for total, mean in zip(sums, super().mean(sums, totals, divisor)):
             total.assign(mean)
         return [total.value for total in sums]
+
+
+def kept_loss(loss):
+    # `fit` differentiates the function that computes the loss: its value
+    # exists only outside it, in the train step (`train_step_loss`).
+    return None
+
+
+def train_step_loss():
+    return _keras_private.jax_train_step_loss()
+
+
+colocate = base.colocate
+outside_compiled_code = base.outside_compiled_code
+replica_count = base.replica_count
+zero_weight_allowed = base.zero_weight_allowed

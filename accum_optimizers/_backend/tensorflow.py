@@ -4,10 +4,10 @@
 
 - Eagerly, or in a plain graph (`tf.function` without XLA, no `merge_call`
   strategy): each gradient goes into its sum by a `tf.cond` of its own,
-  then `tf.cond(update_switch, window)` applies the sums. TensorFlow runs a
-  function's side effects once all its inputs exist: a branch that took
-  every gradient would hold them all until the backward pass ended, where
-  the parent frees each as it applies it.
+  then `tf.cond(closes, close)`. TensorFlow runs a function's side effects
+  once all its inputs exist: a branch that took every gradient would hold
+  them all until the backward pass ended, where the parent frees each as
+  it applies it.
 - Under XLA: add on every micro-step, then a gate that is a `tf.while_loop`
   running zero times or once. A `tf.cond` whose branch writes variables
   makes XLA copy every variable it touches on every call, taken or not; the
@@ -17,14 +17,14 @@
   variables in `merge_call`, which cannot run inside a control-flow branch
   built in replica context (keras-team/keras#20582). Each replica adds into
   its own replica-local sums; the gate is a `tf.cond` built in
-  cross-replica context whose branch runs the window in each replica with
+  cross-replica context whose branch runs the close in each replica with
   `call_for_each_replica`, as Keras' `LossScaleOptimizer` does; the sums
-  are all-reduced once, inside the window. The gradients go into the sums
+  are all-reduced once, inside the close. The gradients go into the sums
   by one branch each, as in a plain graph.
 
-The window's end zeroes only the counter; the next window's first
-micro-step overwrites the sums (`assign(grad)` hands the gradient's buffer
-to the variable, cheaper than zeroing into a fresh buffer).
+The next window's first micro-step overwrites the sums (`assign(grad)`
+hands the gradient's buffer to the variable, cheaper than zeroing into a
+fresh buffer).
 """
 
 import contextlib
@@ -33,7 +33,15 @@ import functools
 import tensorflow as tf
 
 from accum_optimizers import _keras_private
-from accum_optimizers._backend.base import Accumulation
+from accum_optimizers._backend import base
+from accum_optimizers._backend.base import add_into_sums
+from accum_optimizers._backend.base import keep_maximum
+from accum_optimizers._backend.base import scaled
+from accum_optimizers._backend.base import targets
+from accum_optimizers._backend.base import write_counters
+from accum_optimizers._finite import all_finite
+from accum_optimizers._finite import masked
+from accum_optimizers._finite import sums_of_squares
 from accum_optimizers._validation import MIN_WEIGHT
 
 EAGER, GRAPH, XLA, MERGE_CALL = "eager", "graph", "xla", "merge_call"
@@ -50,99 +58,30 @@ def arrangement():
     return XLA if _keras_private.in_xla_context() else GRAPH
 
 
-class TFAccumulation(Accumulation):
-    def _accum_colocate(self, reference):
-        if reference is None:
-            return super()._accum_colocate(reference)
-        return self._distribution_strategy.extended.colocate_vars_with(
-            getattr(reference, "value", reference)
+class WindowBackend(base.WindowBackend):
+    def read_gradients(self, grads, squares, finite):
+        # An embedding's `IndexedSlices` may repeat a row: the rows are
+        # merged first (a buffer the size of the slices, not of the
+        # table), so that the squares are the dense gradient's.
+        sq = None
+        if squares:
+            sq = sums_of_squares([_merged_rows(g) for g in grads])
+        return sq, (all_finite(grads, squares=sq) if finite else None)
+
+    def agree(self, flag):
+        replica_context = tf.distribute.get_replica_context()
+        if replica_context is None or replica_context.num_replicas_in_sync == 1:
+            return flag
+        # One scalar per micro-step (tf.distribute reduces by sum or mean
+        # only: count the replicas where it is false).
+        false = replica_context.all_reduce(
+            tf.distribute.ReduceOp.SUM,
+            tf.cast(tf.logical_not(flag), "float32"),
         )
+        return tf.equal(false, 0.0)
 
-    @staticmethod
-    def _accum_outside_compiled_code():
-        return tf.init_scope()
-
-    def _accum_after(self, grads):
-        if tf.executing_eagerly():
-            return super()._accum_after(grads)
-        # Every gradient depends on the step's data: one suffices. Only
-        # scalar counters wait for it (see `_accum_take_micro_step`).
-        last = next(g for g in reversed(grads) if g is not None)
-        if isinstance(last, tf.IndexedSlices):
-            last = last.values
-        return tf.control_dependencies([last])
-
-    def _accum_micro_step(
-        self, sums, grads, new_window, update_switch, apply_window, weight=None
-    ):
-        how = arrangement()
-        if how == XLA:
-            # XLA densifies `IndexedSlices`; the select fuses into the add.
-            self._accum_add(sums, grads, new_window, weight)
-            _run_at_most_once(
-                update_switch, lambda: apply_window([s.value for s in sums])
-            )
-        elif how == MERGE_CALL:
-            # tf.distribute cannot scatter into a replica-local variable:
-            # an embedding's `IndexedSlices` is added densely.
-            grads = [
-                tf.convert_to_tensor(g)
-                if isinstance(g, tf.IndexedSlices)
-                else g
-                for g in grads
-            ]
-            self._accum_add_each(sums, grads, new_window, weight)
-            _run_in_each_replica_if(
-                update_switch, lambda: apply_window([s.value for s in sums])
-            )
-        else:
-            self._accum_add_each(sums, grads, new_window, weight)
-            _branch(
-                update_switch,
-                lambda: apply_window([s.value for s in sums]),
-                lambda: None,
-            )
-
-    def _accum_run_if(self, pred, fn):
-        if arrangement() == XLA:
-            _run_at_most_once(pred, fn)
-        else:
-            _branch(pred, fn, lambda: None)
-
-    def _accum_add_each(self, sums, grads, new_window, weight):
-        """Eagerly or in a graph without XLA: each gradient goes into its sum
-        by a branch of its own, overwriting it on a new window, else adding
-        (scattering `IndexedSlices` instead of densifying them).
-
-        One branch per gradient: TensorFlow runs a function's side effects
-        once all its inputs exist, so a branch taking every gradient would
-        hold them all until the backward pass ends, where the parent frees
-        each as soon as it is applied.
-        """
-        grads = self._accum_weighed(sums, grads, weight)
-        for total, grad in zip(sums, grads):
-            _branch(
-                new_window,
-                functools.partial(self._accum_overwrite, total, grad),
-                functools.partial(self._accum_add_one, total, grad),
-            )
-
-    def _accum_overwrite(self, total, grad):
-        """`total = grad` (zero for `None`)."""
-        if grad is None or isinstance(grad, tf.IndexedSlices):
-            total.assign(tf.zeros_like(total.value))
-        if isinstance(grad, tf.IndexedSlices):
-            self.assign_add(total, grad)
-        elif grad is not None:
-            total.assign(tf.cast(grad, total.dtype))
-
-    def _accum_add_one(self, total, grad):
-        """`total += grad` (nothing for `None`)."""
-        if grad is not None:
-            self.assign_add(total, grad)
-
-    def _accum_check_traced_weight(self, weight):
-        if self._accum_zero_weight_allowed():
+    def check_weight(self, weight):
+        if zero_weight_allowed():
             valid = tf.math.is_finite(weight) & (
                 (weight == 0) | (weight >= MIN_WEIGHT)
             )
@@ -160,79 +99,45 @@ class TFAccumulation(Accumulation):
         )
         return weight, tf.control_dependencies([check])
 
-    def _accum_scale(self, grad, weight, dtype):
-        if isinstance(grad, tf.IndexedSlices):
-            values = super()._accum_scale(grad.values, weight, dtype)
-            return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
-        return super()._accum_scale(grad, weight, dtype)
+    def commit(self, window, step, grads, close):
+        how = arrangement()
+        if how == XLA:
+            # XLA densifies `IndexedSlices`; the select fuses into the add.
+            with _after(grads):
+                write_counters(window, step)
+            add_into_sums(self.optimizer, window, step, grads)
+            return _run_at_most_once(step.closes, close)
+        with _after(grads):
+            # Only the counters wait for the gradients: each sum waits for
+            # its own, or each gradient would be held until the last one
+            # exists.
+            write_counters(window, step)
+        if how == MERGE_CALL:
+            # tf.distribute cannot scatter into a replica-local variable:
+            # an embedding's `IndexedSlices` is added densely.
+            grads = [_dense(g) for g in grads]
+        if step.enters is None or how != GRAPH:
+            self._add_each(
+                window, step, [masked(g, step.enters) for g in grads]
+            )
+        else:
+            # In a plain graph a branch runs only when taken: no masking
+            # pass over the gradients of a skipped micro-batch.
+            _branch(
+                step.enters,
+                lambda: self._add_each(window, step, grads),
+                lambda: None,
+            )
+        if how == MERGE_CALL:
+            return _run_in_each_replica_if(step.closes, close)
+        _branch(step.closes, close, lambda: None)
 
-    def _accum_sums_of_squares(self, grads):
-        # An embedding's `IndexedSlices` may repeat a row: the rows are
-        # merged first (a buffer the size of the slices, not of the
-        # table), so that the squares are the dense gradient's.
-        merged = []
-        for grad in grads:
-            if isinstance(grad, tf.IndexedSlices):
-                rows, positions = tf.unique(grad.indices)
-                values = tf.math.unsorted_segment_sum(
-                    grad.values, positions, tf.shape(rows)[0]
-                )
-                grad = tf.IndexedSlices(values, rows, grad.dense_shape)
-            merged.append(grad)
-        return super()._accum_sums_of_squares(merged)
+    def run_if(self, pred, fn):
+        if arrangement() == XLA:
+            return _run_at_most_once(pred, fn)
+        _branch(pred, fn, lambda: None)
 
-    def _accum_replicas(self):
-        # The optimizer's strategy, which Keras' losses divide by
-        # (`scale_loss_for_distribution`): also where `flush` runs outside
-        # its scope, the window's variables are its.
-        return self._distribution_strategy.num_replicas_in_sync
-
-    def _accum_samples_in(self, total_weight):
-        # The close divides by the replicas' mean total weight, as their
-        # gradients arrive divided by R. A window of micro-batches counts
-        # global micro-batches, one per step: that mean. A weighted one
-        # counts each replica's samples: their sum.
-        if self._accum_counts_weights:
-            return total_weight * float(self._accum_replicas())
-        return total_weight
-
-    def _accum_zero_weight_allowed(self):
-        # A replica whose shard of the micro-batch is empty weighs 0.
-        replica_context = tf.distribute.get_replica_context()
-        return (
-            replica_context is not None
-            and replica_context.num_replicas_in_sync > 1
-        )
-
-    def _accum_if_finite(self, finite, micro_step):
-        if arrangement() != GRAPH:
-            return super()._accum_if_finite(finite, micro_step)
-
-        # In a plain graph a branch runs only when taken: no masking pass
-        # over the gradients.
-        def take():
-            micro_step(None)
-            return tf.constant(True)
-
-        def skip():
-            self._accum_skipped.assign_add(1)
-            return tf.constant(False)
-
-        tf.cond(finite, take, skip)
-
-    def _accum_agree_finite(self, finite):
-        replica_context = tf.distribute.get_replica_context()
-        if replica_context is None or replica_context.num_replicas_in_sync == 1:
-            return finite
-        # One scalar per micro-step: a replica's skip must be everyone's
-        # (tf.distribute reduces by sum or mean only: count the others).
-        nonfinite = replica_context.all_reduce(
-            tf.distribute.ReduceOp.SUM,
-            tf.cast(tf.logical_not(finite), "float32"),
-        )
-        return tf.equal(nonfinite, 0.0)
-
-    def _accum_reduce_window(self, sums, extras, total_weight):
+    def reduce_window(self, sums, extras, total_weight):
         replica_context = tf.distribute.get_replica_context()
         if replica_context is None or replica_context.num_replicas_in_sync == 1:
             return sums, extras, total_weight
@@ -244,7 +149,6 @@ class TFAccumulation(Accumulation):
             # leaves ops without a device, and the all-reduce needs one.
             with tf.device(value.device or device):
                 pinned.append(tf.identity(value))
-        # One all-reduce for the sums, the extras and the weight together.
         reduced = replica_context.all_reduce(tf.distribute.ReduceOp.SUM, pinned)
         replicas = tf.cast(replica_context.num_replicas_in_sync, "float32")
         return (
@@ -253,7 +157,7 @@ class TFAccumulation(Accumulation):
             reduced[-1] / replicas,
         )
 
-    def _accum_window_mean(self, totals, count):
+    def mean(self, sums, totals, divisor):
         # A multiply by the reciprocal: TensorFlow divides by a variable
         # with an elementwise `RealDiv`, several times slower.
         reciprocals = {}
@@ -261,18 +165,98 @@ class TFAccumulation(Accumulation):
         for total in totals:
             if total.dtype not in reciprocals:
                 reciprocals[total.dtype] = tf.math.reciprocal(
-                    tf.cast(count, total.dtype)
+                    tf.cast(divisor, total.dtype)
                 )
             means.append(total * reciprocals[total.dtype])
         return means
 
-    def _all_reduce_sum_gradients(self, grads_and_vars):
-        # Keras' `TFOptimizer` all-reduces gradients here on every `apply`;
-        # a window's sums are already all-reduced by
-        # `_accum_reduce_window`, once per window.
-        if not self._has_window:
-            return super()._all_reduce_sum_gradients(grads_and_vars)
-        return grads_and_vars
+    def _add_each(self, window, step, grads):
+        """Eagerly or in a graph without XLA: each gradient goes into its
+        sum by a branch of its own, overwriting it on a new window, else
+        adding (scattering `IndexedSlices` instead of densifying them)."""
+        for total, grad, overwrite in targets(self.optimizer, window, grads):
+            if overwrite:
+                keep_maximum(total, grad, step)
+                continue
+            grad = scaled(grad, step.weight, total.dtype)
+            _branch(
+                step.opens,
+                functools.partial(self._overwrite, total, grad),
+                functools.partial(self._add_one, total, grad),
+            )
+
+    def _overwrite(self, total, grad):
+        """`total = grad` (zero for `None`)."""
+        if grad is None or isinstance(grad, tf.IndexedSlices):
+            total.assign(tf.zeros_like(total.value))
+        if isinstance(grad, tf.IndexedSlices):
+            self.optimizer.assign_add(total, grad)
+        elif grad is not None:
+            total.assign(tf.cast(grad, total.dtype))
+
+    def _add_one(self, total, grad):
+        """`total += grad` (nothing for `None`)."""
+        if grad is not None:
+            self.optimizer.assign_add(total, grad)
+
+
+def colocate(optimizer, reference):
+    if reference is None:
+        return contextlib.nullcontext()
+    return optimizer._distribution_strategy.extended.colocate_vars_with(
+        getattr(reference, "value", reference)
+    )
+
+
+def outside_compiled_code():
+    return tf.init_scope()
+
+
+def replica_count(optimizer):
+    # The optimizer's strategy, which Keras' losses divide by
+    # (`scale_loss_for_distribution`): also where `flush` runs outside its
+    # scope, the window's variables are its.
+    return optimizer._distribution_strategy.num_replicas_in_sync
+
+
+def zero_weight_allowed():
+    # A replica whose shard of the micro-batch is empty weighs 0.
+    replica_context = tf.distribute.get_replica_context()
+    return (
+        replica_context is not None and replica_context.num_replicas_in_sync > 1
+    )
+
+
+kept_loss = base.kept_loss
+train_step_loss = base.train_step_loss
+
+
+def _after(grads):
+    """Context in which the counters change only once `grads` exist: in a
+    graph, a step that fails to produce its data must change no counter.
+    Every gradient depends on the step's data: one suffices."""
+    if tf.executing_eagerly():
+        return contextlib.nullcontext()
+    last = next(g for g in reversed(grads) if g is not None)
+    if isinstance(last, tf.IndexedSlices):
+        last = last.values
+    return tf.control_dependencies([last])
+
+
+def _dense(grad):
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.convert_to_tensor(grad)
+    return grad
+
+
+def _merged_rows(grad):
+    if not isinstance(grad, tf.IndexedSlices):
+        return grad
+    rows, positions = tf.unique(grad.indices)
+    values = tf.math.unsorted_segment_sum(
+        grad.values, positions, tf.shape(rows)[0]
+    )
+    return tf.IndexedSlices(values, rows, grad.dense_shape)
 
 
 def _branch(pred, true_fn, false_fn):

@@ -1,50 +1,133 @@
-"""torch: in-place `torch._foreach_*` adds, and sums zeroed at the window's
-end (eager torch has no fused select to make overwriting cheaper); under
-`torch_distributed.sync_windows`, one bucketed all-reduce per window, at
-the close or (with `model=`) behind the window's last backward
-(`torch_overlap.py`)."""
+"""torch: in-place `torch._foreach_*` writes (eager torch has no fused
+select: the window's first micro-step copies into its sums instead of
+adding); under `torch_distributed.sync_windows`, one bucketed all-reduce
+per window, at the close or (with `model=`) behind the window's last
+backward (`torch_overlap.py`)."""
+
+import dataclasses
 
 import torch
 
 from accum_optimizers import _keras_private
-from accum_optimizers._backend.base import Accumulation
+from accum_optimizers._backend import base
+from accum_optimizers._backend.base import keep_maximum
+from accum_optimizers._backend.base import scaled
+from accum_optimizers._backend.base import targets
+from accum_optimizers._backend.base import write_counters
 from accum_optimizers._finite import all_finite
-from accum_optimizers._window.spec import resetting_variables
 
 
-class TorchAccumulation(Accumulation):
-    def _accum_begin_apply(self):
-        overlap = _overlap_of(self)
-        if overlap is not None:
+class WindowBackend(base.WindowBackend):
+    def begin(self, flushing=False):
+        overlap = _overlap_of(self.optimizer)
+        if overlap is None:
+            return
+        if flushing:
+            # A backward no `apply` took: its exchange is dropped, on
+            # every rank.
+            overlap.discard_current()
+        else:
             overlap.claim()
 
-    def _accum_check_gradients(self, grads, weight, scaled):
-        overlap = _overlap_of(self)
+    def read_gradients(self, grads, squares, finite):
+        overlap = _overlap_of(self.optimizer)
+        sq = None
+        if squares:
+            # One fused kernel per gradient, without `keras.ops`' per-call
+            # cost.
+            sq = [
+                torch.linalg.vector_norm(
+                    torch.as_tensor(grad), dtype=torch.float32
+                ).square()
+                for grad in grads
+                if grad is not None
+            ]
+        if not finite:
+            return sq, None
         if overlap is not None and overlap.claimed is not None:
-            overlap.claimed.check(grads, weight, scaled)
+            # Exact without reading the gradients first: the earlier
+            # micro-steps' sums are finite (checked then), so the reduced
+            # `sum + grad` of every rank is finite exactly when every
+            # rank's gradients are (but for a sum overflowing float32).
+            is_finite = overlap.claimed.all_finite()
+            overlap.finite_agreed = True
+            if not is_finite:
+                overlap.discard_claimed()  # the sums were never written
+            return sq, is_finite
+        return sq, all_finite(
+            grads, sums_are_finite=_sums_are_finite, squares=sq
+        )
+
+    def agree(self, flag):
+        sync = window_sync(self.optimizer)
+        if sync is None:
+            return flag
+        if sync.overlap is not None and sync.overlap.finite_agreed:
+            return flag  # read in the reduced buffers, alike everywhere
+        # Every rank must take the same branch: the window's all-reduce is
+        # collective.
+        reduced = torch.as_tensor(flag, dtype=torch.int32).reshape(1)
+        torch.distributed.all_reduce(
+            reduced, op=torch.distributed.ReduceOp.MIN, group=sync.process_group
+        )
+        if isinstance(flag, bool):
+            return bool(reduced.item())
+        return reduced[0] > 0
 
     @torch.no_grad()
-    def _accum_add(self, sums, grads, new_window, weight=None):
-        overlap = _overlap_of(self)
-        if overlap is not None and overlap.claimed is not None:
-            return  # the last backward added them, into its buffers
-        # `_accum_end_window` zeroed the sums: a new window needs no select.
-        # A weight known on the host multiplies inside the add (`alpha`).
+    def commit(self, window, step, grads, close):
+        overlap = _overlap_of(self.optimizer)
+        claimed = overlap is not None and overlap.claimed is not None
+        if claimed:
+            # Before any write: the backward's gradients must be the call's.
+            overlap.claimed.check(grads, step.weight, step.scaled)
+        write_counters(window, step)
+        if step.enters is None or bool(step.enters):
+            if not claimed:  # else the last backward added them
+                self._add(window, step, grads)
+        if bool(step.closes):
+            close()
+
+    def _add(self, window, step, grads):
+        """`sum += weight * grad`, or `sum = weight * grad` (zero for
+        `None`) on the window's first micro-step, in place. A weight known
+        on the host multiplies inside the add (`alpha`)."""
+        opens = bool(step.opens)
+        weight = step.weight
         alpha = weight if isinstance(weight, float) else 1
-        if weight is not None and not isinstance(weight, float):
-            grads = self._accum_weighed(sums, grads, weight)
-        pairs = [(s, g) for s, g in zip(sums, grads) if g is not None]
-        targets = [total.value for total, _ in pairs]
-        sources = [
-            torch.as_tensor(grad, dtype=target.dtype, device=target.device)
-            for (_, grad), target in zip(pairs, targets)
-        ]
-        if targets:
-            _keras_private.torch_foreach_add_(targets, sources, alpha=alpha)
+        pairs, absent = [], []
+        for total, grad, overwrite in targets(self.optimizer, window, grads):
+            if overwrite:
+                keep_maximum(total, grad, step)
+            elif grad is None:
+                absent.append(total.value)
+            else:
+                if not isinstance(weight, (float, type(None))):
+                    grad = scaled(grad, weight, total.dtype)
+                target = total.value
+                pairs.append(
+                    (
+                        target,
+                        torch.as_tensor(
+                            grad, dtype=target.dtype, device=target.device
+                        ),
+                    )
+                )
+        targets_, sources = [p[0] for p in pairs], [p[1] for p in pairs]
+        if opens and absent:
+            _keras_private.torch_foreach_zero_(absent)
+        if not targets_:
+            return
+        if opens and alpha == 1:
+            _keras_private.torch_foreach_copy_(targets_, sources)
+            return
+        if opens:
+            _keras_private.torch_foreach_zero_(targets_)
+        _keras_private.torch_foreach_add_(targets_, sources, alpha=alpha)
 
     @torch.no_grad()
-    def _accum_reduce_window(self, sums, extras, total_weight):
-        sync = window_sync(self)
+    def reduce_window(self, sums, extras, total_weight):
+        sync = window_sync(self.optimizer)
         if sync is None:
             return sums, extras, total_weight
         # Each rank's sums are of its own micro-batches' mean gradients,
@@ -70,83 +153,28 @@ class TorchAccumulation(Accumulation):
             )
         return sums, extras, total_weight
 
-    def _accum_finite_everywhere(self, finite):
-        sync = window_sync(self)
-        if sync is None:
-            return finite
-        if sync.overlap is not None:
-            # `flush` after a backward no `apply` took: its exchange is
-            # dropped, on every rank.
-            sync.overlap.discard_current()
-        # Under `sync_windows` every rank must take the same branch of
-        # `flush`: the window's all-reduce is collective.
-        flag = torch.tensor([int(finite)], dtype=torch.int32)
-        torch.distributed.all_reduce(
-            flag, op=torch.distributed.ReduceOp.MIN, group=sync.process_group
-        )
-        return bool(flag.item())
-
-    def _accum_agree_finite(self, finite):
-        sync = window_sync(self)
-        if sync is None:
-            return finite
-        if sync.overlap is not None and sync.overlap.finite_agreed:
-            return finite  # read in the reduced buffers, alike everywhere
-        flag = torch.as_tensor(finite, dtype=torch.int32).reshape(1)
-        torch.distributed.all_reduce(
-            flag, op=torch.distributed.ReduceOp.MIN, group=sync.process_group
-        )
-        return flag[0] > 0
-
     @torch.no_grad()
-    def _accum_window_mean(self, totals, count):
-        # In place: `totals` are the sums, which `_accum_end_window` zeroes
-        # next; new tensors would cost an allocation per variable.
+    def mean(self, sums, totals, divisor):
+        # In place: `totals` are the sums, dead until the next window's
+        # first micro-step overwrites them; new tensors would cost an
+        # allocation per variable.
         if totals:
-            _keras_private.torch_foreach_div_(totals, count)
+            _keras_private.torch_foreach_div_(totals, divisor)
         return totals
 
-    @torch.no_grad()
-    def _accum_end_window(self):
-        variables = self._accum_sums + resetting_variables(self)
-        _keras_private.torch_foreach_zero_(
-            [variable.value for variable in variables]
-        )
 
-    def _accum_note_loss(self, loss):
-        super()._accum_note_loss(loss.detach())
-
-    def _accum_all_finite(self, grads, squares=None):
-        overlap = _overlap_of(self)
-        if overlap is not None and overlap.claimed is not None:
-            # Exact without reading the gradients first: the earlier
-            # micro-steps' sums are finite (checked then), so the reduced
-            # `sum + grad` of every rank is finite exactly when every
-            # rank's gradients are (but for a sum overflowing float32).
-            finite = overlap.claimed.all_finite()
-            overlap.finite_agreed = True
-            if not finite:
-                overlap.discard_claimed()  # the sums were never written
-            return finite
-        # torch's own sums: a `keras.ops` call costs more than the sum of a
-        # small gradient.
-        return all_finite(
-            grads, sums_are_finite=_sums_are_finite, squares=squares
-        )
-
-    @torch.no_grad()
-    def _accum_sums_of_squares(self, grads):
-        # One fused kernel per gradient (`torch.linalg.vector_norm` squares
-        # and sums in one pass), without `keras.ops`' per-call cost.
-        return [
-            torch.linalg.vector_norm(
-                torch.as_tensor(grad), dtype=torch.float32
-            ).square()
-            for grad in grads
-            if grad is not None
-        ]
+def kept_loss(loss):
+    return loss.detach()
 
 
+colocate = base.colocate
+outside_compiled_code = base.outside_compiled_code
+replica_count = base.replica_count
+zero_weight_allowed = base.zero_weight_allowed
+train_step_loss = base.train_step_loss
+
+
+@dataclasses.dataclass
 class WindowSync:
     """How an optimizer's windows cross ranks (`sync_windows`).
 
@@ -158,10 +186,9 @@ class WindowSync:
             `None`: the exchange runs at the close.
     """
 
-    def __init__(self, process_group, bucket_bytes, overlap):
-        self.process_group = process_group
-        self.bucket_bytes = bucket_bytes
-        self.overlap = overlap
+    process_group: object
+    bucket_bytes: int
+    overlap: object
 
 
 def window_sync(optimizer):

@@ -81,10 +81,11 @@ class Overlap:
         summed = [i for i, over in enumerate(overwritten) if not over]
         return LastBackward(
             optimizer._trainable_variables,
-            {i: optimizer._accum_sums[i].value for i in summed},
+            {i: optimizer._window.sums[i].value for i in summed},
             self.bucket_bytes,
             self.process_group,
             self.next_weight,
+            fresh=pending == 0,
         )
 
     def claim(self):
@@ -128,13 +129,18 @@ class LastBackward:
         process_group: the group to all-reduce over.
         weight: the micro-batch's weight announced before the backward (a
             float), or `None` (it counts 1).
+        fresh: whether the backward's micro-batch opens its window: the
+            sums hold the last window's values, and count zero.
     """
 
-    def __init__(self, variables, sums, bucket_bytes, process_group, weight):
+    def __init__(
+        self, variables, sums, bucket_bytes, process_group, weight, fresh
+    ):
         from accum_optimizers._backend.torch import _buckets
 
         self.process_group = process_group
         self.weight = weight
+        self.fresh = fresh
         order = sorted(sums, reverse=True)
         self.index_of = {id(variables[i].value): i for i in order}
         self.grads = {}
@@ -185,13 +191,16 @@ class LastBackward:
             piece = bucket.flat[offset : offset + total.numel()]
             offset += total.numel()
             grad = self.grads.get(index)
-            if grad is None:
+            if grad is None and self.fresh:
+                piece.zero_()
+            elif grad is None:
                 piece.copy_(total.reshape(-1))
             else:
-                # What `_accum_add` computes, in the sum's dtype.
+                # What the backend's `commit` computes, in the sum's dtype.
                 grad = grad.reshape(-1).to(total.dtype)
                 alpha = 1 if self.weight is None else self.weight
-                torch.add(total.reshape(-1), grad, alpha=alpha, out=piece)
+                base = torch.zeros_like(piece) if self.fresh else total
+                torch.add(base.reshape(-1), grad, alpha=alpha, out=piece)
         bucket.handle = torch.distributed.all_reduce(
             bucket.flat, group=self.process_group, async_op=True
         )

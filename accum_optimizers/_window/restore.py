@@ -10,8 +10,12 @@ from keras import ops
 
 from accum_optimizers import schedules
 from accum_optimizers._validation import concrete_value
+from accum_optimizers._window.counts import window_size
 from accum_optimizers._window.noise import saved_noise_key
 from accum_optimizers._window.spec import window_state
+
+# Of the window's state, 0.1.0 saved its first two counters alone.
+_SAVED_BY_0_1_0 = ("micro_steps", "micro_batches")
 
 
 def pending_restore(optimizer):
@@ -24,76 +28,86 @@ def pending_restore(optimizer):
     return optimizer.__dict__.get("_accum_pending_restore")
 
 
-class WindowRestore:
-    """`load_own_variables` of an accumulating optimizer (a mixin of
-    `GradientAccumulation`): a saved state is checked against this
-    optimizer's layout, then restored, or refused naming why."""
+def load_own_variables(optimizer, store, load_parent_state):
+    """`optimizer.load_own_variables(store)`: a saved state is checked
+    against the optimizer's layout, then restored, or refused naming why.
+    `load_parent_state(store)` is the parent's own, for an untrained
+    state."""
+    values = [store[str(i)] for i in range(len(store.keys()))]
+    values = [np.array(value) for value in values]
+    if not optimizer.built:
+        if len(values) == len(optimizer.variables) and not values[0]:
+            return load_parent_state(store)  # untrained
+        # Saved after training, loaded before `build`: keep the values and
+        # check and restore them when the optimizer builds.
+        optimizer._accum_pending_restore = tuple(values)
+        return
+    restore(optimizer, values)
 
-    def load_own_variables(self, store):
-        values = [store[str(i)] for i in range(len(store.keys()))]
-        values = [np.array(value) for value in values]
-        if not self.built:
-            if len(values) == len(self.variables) and not values[0]:
-                return super().load_own_variables(store)  # untrained
-            # Saved after training, loaded before `build`: keep the values
-            # and check and restore them when the optimizer builds.
-            self._accum_pending_restore = tuple(values)
-            return
-        self._accum_restore(values)
 
-    def _accum_restore(self, values):
-        accum_iters = self.accum_iters
-        if isinstance(accum_iters, schedules.AccumSchedule):
-            accum_iters = type(accum_iters).__name__
-        describe = (
-            f"'{self.name}' ({type(self).__name__}, accum_iters={accum_iters})"
-        )
-        parent, window = plan_restore(
-            values, self._accum_layout, self._accum_saved_window_size, describe
-        )
-        empty = is_empty(window)
-        restored = list(parent)
-        if self._has_window and not empty:
-            restored += window
-        variables = self.variables
-        for index, value in enumerate(restored):
-            if tuple(np.shape(value)) != tuple(variables[index].shape):
-                raise ValueError(
-                    f"Cannot restore the state of optimizer {describe}: "
-                    f"saved variable {index} has shape {np.shape(value)}, "
-                    f"'{variables[index].path}' has shape "
-                    f"{tuple(variables[index].shape)}."
-                )
-        for variable, value in zip(variables, restored):
-            variable.assign(value)
-        if not self._has_window and window is not None:
+def restore(optimizer, values):
+    """Restores saved `values` into the built `optimizer`, or raises."""
+    accum_iters = optimizer.accum_iters
+    if isinstance(accum_iters, schedules.AccumSchedule):
+        accum_iters = type(accum_iters).__name__
+    describe = (
+        f"'{optimizer.name}' ({type(optimizer).__name__}, "
+        f"accum_iters={accum_iters})"
+    )
+    layout = optimizer._accum_layout
+    parent, window = plan_restore(
+        values,
+        layout,
+        lambda parent, window: _saved_window_size(optimizer, parent, window),
+        describe,
+    )
+    empty = is_empty(window)
+    restored = list(parent)
+    if optimizer._has_window and not empty:
+        restored += window
+    variables = optimizer.variables
+    for index, value in enumerate(restored):
+        if tuple(np.shape(value)) != tuple(variables[index].shape):
+            raise ValueError(
+                f"Cannot restore the state of optimizer {describe}: "
+                f"saved variable {index} has shape {np.shape(value)}, "
+                f"'{variables[index].path}' has shape "
+                f"{tuple(variables[index].shape)}."
+            )
+    for variable, value in zip(variables, restored):
+        variable.assign(value)
+    if not optimizer._has_window:
+        if window is not None:
             _warn_of_counts_lost(parent, window, describe)
-        if self._has_window and empty:
-            self._accum_end_window()
-            state = self._accum_layout.state
-            for name, value in lasting_values(parent, window, state).items():
-                getattr(self, f"_accum_{name}").assign(value)
-        if self._has_window:
-            # The saved run's refused micro-batches were its `fit`'s to
-            # report (`_accum_report_refused_weights`).
-            skipped = concrete_value(self._accum_skipped.value)
-            self._accum_refused_reported = int(skipped or 0)
+        return
+    if empty:
+        window_variables = optimizer.variables[layout.parent :]
+        lasting = lasting_values(parent, window, layout.state)
+        for spec, variable in zip(layout.state, window_variables):
+            if spec.name == "micro_steps":
+                variable.assign(np.zeros((), "int32"))
+            elif spec.lasting:
+                variable.assign(lasting[spec.name])
+    # The saved run's refused micro-batches were its `fit`'s to report.
+    skipped = concrete_value(optimizer._window.skipped.value)
+    optimizer._refused_reported = int(skipped or 0)
 
-    def _accum_saved_window_size(self, parent, window):
-        """The window size the next update of a planned saved state takes
-        (see `plan_restore`)."""
-        schedule = self._accum_schedule
-        if schedule is None:
-            return self.accum_iters
-        state = self._accum_layout.state
-        if schedules.keyed_on_noise_scale(schedule):
-            values = lasting_values(parent, window, state)
-            key = saved_noise_key(values, schedule, self.noise_scale_momentum)
-        elif schedules.keyed_on_samples(schedule):
-            key = np.float32(saved_samples_seen(parent, window, state))
-        else:
-            key = int(np.asarray(parent[0]))
-        return int(ops.convert_to_numpy(self._accum_window_size(key)))
+
+def _saved_window_size(optimizer, parent, window):
+    """The window size the next update of a planned saved state takes (see
+    `plan_restore`)."""
+    schedule = optimizer._accum_schedule
+    if schedule is None:
+        return optimizer.accum_iters
+    state = optimizer._accum_layout.state
+    if schedules.keyed_on_noise_scale(schedule):
+        values = lasting_values(parent, window, state)
+        key = saved_noise_key(values, schedule, optimizer.noise_scale_momentum)
+    elif schedules.keyed_on_samples(schedule):
+        key = np.float32(saved_samples_seen(parent, window, state))
+    else:
+        key = int(np.asarray(parent[0]))
+    return int(ops.convert_to_numpy(window_size(optimizer, key)))
 
 
 def plan_restore(values, layout, window_size_at, describe):
@@ -211,7 +225,7 @@ def saved_samples_seen(parent, window, state):
 
 
 def _absent_from_0_1_0(state):
-    return sum(not v.saved_by_0_1_0 for v in state)
+    return sum(v.name not in _SAVED_BY_0_1_0 for v in state)
 
 
 def _window_without_noise(window, state):
@@ -239,7 +253,7 @@ def _window_of_0_1_0(window, sums, state):
     saved = iter(window)
     upgraded = []
     for variable in state:
-        if variable.saved_by_0_1_0:
+        if variable.name in _SAVED_BY_0_1_0:
             upgraded.append(next(saved))
         elif variable.name == "seen":
             upgraded.append(np.ones(sums, "int32"))

@@ -1,142 +1,98 @@
-"""The window's state, declared once.
+"""The window's state, declared once, and the record that holds it.
 
 An accumulating optimizer's variables are, in order: the parent optimizer's
 variables before `build` (`iterations`, and `learning_rate` when it is a
 float), those the parent's `build` adds (moments, EMA averages), then, when
 the optimizer has a window, the variables of `WINDOW_STATE` (less the noise
 scale's, unless it measures it: `window_state`) and one sum per trainable
-variable. `build` creates them from this declaration; a window's
-close resets those declared `resets`; saving writes every variable as it
-is, and restoring (`restore.py`) reads them back by position.
+variable. `build` creates them from this declaration into a `Window`;
+saving writes every variable as it is, and restoring (`restore.py`) reads
+them back by position.
 """
 
+import dataclasses
 
+import keras
+from keras import backend
+from keras import ops
+
+from accum_optimizers import _backend
+from accum_optimizers import _keras_private
+from accum_optimizers._validation import LOW_PRECISION_DTYPES
+
+
+@dataclasses.dataclass(frozen=True)
 class WindowVariable:
     """One variable of the window's state, before the per-variable sums.
 
     Args:
-        name: the attribute (`_accum_<name>`) and variable (`accum_<name>`)
-            name.
+        name: the `Window` field and the variable's name (`accum_<name>`).
         dtype: the variable's dtype.
         per_variable: whether it holds one entry per trainable variable
             (shape `(len(variables),)`) instead of a scalar.
         aggregation: its `tf.distribute` aggregation: `"only_first_replica"`
-            for values every replica holds alike, `"mean"` for a value each
-            replica accumulates on its own (read outside a replica as their
-            mean, the share that goes with one replica's sums).
-        saved_by_0_1_0: whether 0.1.0 saved it.
+            for values every replica holds alike, `"mean"` or `"sum"` for a
+            value each replica accumulates on its own.
         lasting: whether it outlives the window (a count since creation,
-            the last window's metrics), so that it is restored from a
-            state saved between windows too.
-        resets: whether a window's close sets it back to zero (the next
-            window's first micro-step overwrites the others that do not
-            last).
+            the last window's metrics); the others are the pending
+            window's, overwritten by the next window's first micro-step.
         noise_scale: whether only optimizers that measure the gradient
-            noise scale (`measure_noise_scale=True`) carry it, so that the
-            state (and the saved layout) of every other optimizer is
-            unchanged.
+            noise scale carry it, so that every other optimizer's state
+            (and saved layout) is unchanged.
     """
 
-    def __init__(
-        self,
-        name,
-        dtype,
-        per_variable=False,
-        aggregation="only_first_replica",
-        saved_by_0_1_0=False,
-        lasting=False,
-        resets=False,
-        noise_scale=False,
-    ):
-        self.name = name
-        self.dtype = dtype
-        self.per_variable = per_variable
-        self.aggregation = aggregation
-        self.saved_by_0_1_0 = saved_by_0_1_0
-        self.lasting = lasting
-        self.resets = resets
-        self.noise_scale = noise_scale
+    name: str
+    dtype: str
+    per_variable: bool = False
+    aggregation: str = "only_first_replica"
+    lasting: bool = False
+    noise_scale: bool = False
 
     def shape(self, variable_count):
         return (variable_count,) if self.per_variable else ()
 
 
+_V = WindowVariable
 WINDOW_STATE = (
     # Micro-batches in the pending window; 0 between windows.
-    WindowVariable("micro_steps", "int32", saved_by_0_1_0=True, resets=True),
+    _V("micro_steps", "int32"),
     # Micro-batches accumulated since creation.
-    WindowVariable("micro_batches", "int32", saved_by_0_1_0=True, lasting=True),
-    # Which variables received gradient in the window (`flush` updates
-    # those alone).
-    WindowVariable("seen", "int32", per_variable=True),
-    # The sum of the window's micro-batch weights (1 each without `weight`):
-    # the window's mean gradient is its sums divided by this.
-    WindowVariable("total_weight", "float32", aggregation="mean", resets=True),
-    # Micro-batches left out of their window for non-finite gradients
-    # (`skip_nonfinite=True`), since creation.
-    WindowVariable("skipped", "int32", lasting=True),
-    # The total weight of the applied windows (samples, tokens, or
-    # micro-batches of weight 1), as a float32 pair whose sum is exact well
-    # past float32's 2**24 (see `_accum_count_samples`).
-    WindowVariable("samples_seen", "float32", lasting=True),
-    WindowVariable("samples_seen_error", "float32", lasting=True),
-    # The window's sum of `weight * loss` (`apply(..., loss=)`, or the loss
-    # `fit` computes), summed over replicas like the gradients.
-    WindowVariable("loss_sum", "float32", aggregation="sum", resets=True),
-    # The last applied window's loss (`loss_sum / total_weight`) and the
-    # norm of its mean gradient: the big batch's at the window's weights.
-    WindowVariable("window_loss", "float32", lasting=True),
-    WindowVariable("window_grad_norm", "float32", lasting=True),
-    # The gradient noise scale (`measure_noise_scale=True`, see
-    # `_window/noise.py`). Within a window: the sum over its micro-batches
-    # of |g_j|^2 (each micro-batch's own mean gradient), of 1 / n_j (their
-    # weights) and their count, summed over ranks like the gradients.
-    WindowVariable(
-        "noise_sq_norm_sum",
-        "float32",
-        aggregation="sum",
-        resets=True,
-        noise_scale=True,
-    ),
-    WindowVariable(
+    _V("micro_batches", "int32", lasting=True),
+    # Which variables received gradient in the window.
+    _V("seen", "int32", per_variable=True),
+    # The sum of the window's micro-batch weights (1 each without one).
+    _V("total_weight", "float32", aggregation="mean"),
+    # Micro-batches left out of their window, since creation.
+    _V("skipped", "int32", lasting=True),
+    # The applied windows' total weight, as a float32 pair whose sum stays
+    # exact past float32's 2**24 (`close.count_samples`).
+    _V("samples_seen", "float32", lasting=True),
+    _V("samples_seen_error", "float32", lasting=True),
+    # The window's sum of `weight * loss`.
+    _V("loss_sum", "float32", aggregation="sum"),
+    # The last applied window's loss and mean gradient's norm.
+    _V("window_loss", "float32", lasting=True),
+    _V("window_grad_norm", "float32", lasting=True),
+    # The gradient noise scale (`noise.py`): within a window, the sums of
+    # the micro-batches' |g_j|^2, of 1 / n_j and their count.
+    _V("noise_sq_norm_sum", "float32", aggregation="sum", noise_scale=True),
+    _V(
         "noise_inverse_weight_sum",
         "float32",
         aggregation="sum",
-        resets=True,
         noise_scale=True,
     ),
-    WindowVariable(
-        "noise_micro_batches",
-        "float32",
-        aggregation="sum",
-        resets=True,
-        noise_scale=True,
-    ),
-    # The last applied window's unbiased estimates of |G|^2 and tr(Sigma)
-    # (NaN for a window of one micro-batch, which gives none).
-    WindowVariable(
-        "window_gradient_sq_norm", "float32", lasting=True, noise_scale=True
-    ),
-    WindowVariable(
-        "window_noise_trace", "float32", lasting=True, noise_scale=True
-    ),
-    # Their exponential moving averages over the windows that gave an
-    # estimate, and the average's total weight (to debias its start).
-    WindowVariable(
-        "gradient_sq_norm_average", "float32", lasting=True, noise_scale=True
-    ),
-    WindowVariable(
-        "noise_trace_average", "float32", lasting=True, noise_scale=True
-    ),
-    WindowVariable(
-        "noise_average_weight", "float32", lasting=True, noise_scale=True
-    ),
-    # The largest noise scale measured so far (`by_noise_scale`'s key when
-    # windows only grow).
-    WindowVariable(
-        "largest_noise_scale", "float32", lasting=True, noise_scale=True
-    ),
+    _V("noise_micro_batches", "float32", aggregation="sum", noise_scale=True),
+    # The last window's estimates of |G|^2 and tr(Sigma), their moving
+    # averages and the averages' total weight, the largest noise scale.
+    _V("window_gradient_sq_norm", "float32", lasting=True, noise_scale=True),
+    _V("window_noise_trace", "float32", lasting=True, noise_scale=True),
+    _V("gradient_sq_norm_average", "float32", lasting=True, noise_scale=True),
+    _V("noise_trace_average", "float32", lasting=True, noise_scale=True),
+    _V("noise_average_weight", "float32", lasting=True, noise_scale=True),
+    _V("largest_noise_scale", "float32", lasting=True, noise_scale=True),
 )
+del _V
 
 
 def window_state(measure_noise_scale):
@@ -149,6 +105,101 @@ def window_state(measure_noise_scale):
     )
 
 
+@dataclasses.dataclass
+class Window:
+    """The variables of one optimizer's window (see `WINDOW_STATE`); the
+    noise scale's are `None` where it is not measured."""
+
+    micro_steps: object
+    micro_batches: object
+    seen: object
+    total_weight: object
+    skipped: object
+    samples_seen: object
+    samples_seen_error: object
+    loss_sum: object
+    window_loss: object
+    window_grad_norm: object
+    sums: list
+    noise_sq_norm_sum: object = None
+    noise_inverse_weight_sum: object = None
+    noise_micro_batches: object = None
+    window_gradient_sq_norm: object = None
+    window_noise_trace: object = None
+    gradient_sq_norm_average: object = None
+    noise_trace_average: object = None
+    noise_average_weight: object = None
+    largest_noise_scale: object = None
+
+    @property
+    def measures_noise(self):
+        return self.noise_sq_norm_sum is not None
+
+    def samples(self):
+        """`samples_seen`, from its compensated pair."""
+        return ops.add(self.samples_seen.value, self.samples_seen_error.value)
+
+
+def build_window(optimizer, variables, state):
+    """A `Window` of new variables of `optimizer`: one per `WindowVariable`
+    of `state`, in order, then one sum per variable of `variables`."""
+    made = {
+        spec.name: _replica_local(
+            optimizer,
+            f"accum_{spec.name}",
+            spec.shape(len(variables)),
+            spec.dtype,
+            aggregation=spec.aggregation,
+        )
+        for spec in state
+    }
+    sums = [_sum_of(optimizer, variable) for variable in variables]
+    return Window(sums=sums, **made)
+
+
+def _sum_of(optimizer, variable):
+    """The sum of `variable`'s gradients: float32 for a low-precision
+    variable unless `accumulator_dtype` says otherwise."""
+    dtype = optimizer.accumulator_dtype
+    if dtype is None:
+        dtype = backend.standardize_dtype(variable.dtype)
+        if dtype in LOW_PRECISION_DTYPES:
+            dtype = "float32"
+    return _replica_local(
+        optimizer,
+        f"{variable.path.replace('/', '_')}_accum_sum",
+        variable.shape,
+        dtype,
+        reference=variable,
+    )
+
+
+def _replica_local(
+    optimizer, name, shape, dtype, reference=None, aggregation="sum"
+):
+    """A variable of `optimizer` each `tf.distribute` replica holds its
+    own copy of (`synchronization="on_read"`): replicas add their own
+    gradients without communication, and the close sums the copies once.
+    Read outside a replica (saving), a sum is the total over replicas;
+    assigned outside, it is split evenly. Elsewhere a plain variable, laid
+    out like `reference`."""
+    with _backend.colocate(optimizer, reference):
+        with keras.name_scope(optimizer.name, caller=optimizer):
+            variable = keras.Variable(
+                initializer=keras.initializers.Zeros(),
+                shape=shape,
+                dtype=dtype,
+                trainable=False,
+                aggregation=aggregation,
+                synchronization="on_read",
+                layout=_keras_private.variable_layout(reference),
+                name=name,
+            )
+    optimizer._track_variable(variable)
+    return variable
+
+
+@dataclasses.dataclass(frozen=True)
 class Layout:
     """How many variables each part of an optimizer's state holds.
 
@@ -159,11 +210,10 @@ class Layout:
         state: the window variables it carries (`window_state`), in order.
     """
 
-    def __init__(self, unbuilt, parent, total, state=None):
-        self.unbuilt = unbuilt
-        self.parent = parent
-        self.total = total
-        self.state = window_state(False) if state is None else tuple(state)
+    unbuilt: int
+    parent: int
+    total: int
+    state: tuple = window_state(False)
 
     @property
     def has_window(self):
@@ -175,12 +225,3 @@ class Layout:
         if not self.has_window:
             return 0
         return self.total - self.parent - len(self.state)
-
-
-def resetting_variables(optimizer):
-    """The window variables of `optimizer` that a window's close zeroes."""
-    return [
-        getattr(optimizer, f"_accum_{variable.name}")
-        for variable in window_state(optimizer.measure_noise_scale)
-        if variable.resets
-    ]
