@@ -28,11 +28,16 @@ uses `threading`.
 """
 
 import contextlib
+import dataclasses
 import threading
+from typing import Any
 
 _local = threading.local()
 
 
+# `eq=False` on these records: their fields hold tensors, which `==`
+# compares elementwise; each record is compared by identity.
+@dataclasses.dataclass(eq=False)
 class Handoff:
     """The weight of an optimizer's next `apply`.
 
@@ -50,29 +55,21 @@ class Handoff:
             is then left out of its window.
     """
 
-    def __init__(
-        self,
-        weight,
-        loss_scaled=False,
-        check=False,
-        checked=None,
-        may_be_invalid=False,
-    ):
-        self.weight = weight
-        self.loss_scaled = loss_scaled
-        self.check = check
-        self.checked = checked
-        self.may_be_invalid = may_be_invalid
+    weight: Any
+    loss_scaled: bool = False
+    check: bool = False
+    checked: Any = None
+    may_be_invalid: bool = False
 
 
+@dataclasses.dataclass(eq=False)
 class Pending:
     """What an optimizer's next `apply` takes: `handoff` (a `Handoff` or
     `None`), `loss` and `finite` (`None` where none was put)."""
 
-    def __init__(self, handoff=None, loss=None, finite=None):
-        self.handoff = handoff
-        self.loss = loss
-        self.finite = finite
+    handoff: Any = None
+    loss: Any = None
+    finite: Any = None
 
 
 def _pending():
