@@ -6,7 +6,10 @@
 (`config_names`). An argument added here appears in all four.
 """
 
+import dataclasses
 import inspect
+from typing import Any
+from typing import Callable
 
 import keras
 import numpy as np
@@ -17,6 +20,7 @@ from accum_optimizers._validation import validate_accumulator_dtype
 from accum_optimizers._validation import validate_decay
 
 
+@dataclasses.dataclass(frozen=True)
 class Argument:
     """One keyword-only accumulation argument.
 
@@ -31,12 +35,11 @@ class Argument:
             `learning_rate` instead).
     """
 
-    def __init__(self, name, default, doc, check, in_config=True):
-        self.name = name
-        self.default = default
-        self.doc = doc
-        self.check = check
-        self.in_config = in_config
+    name: str
+    default: Any
+    doc: str
+    check: Callable[[Any], Any]
+    in_config: bool = True
 
 
 def _check_skip_nonfinite(value):

@@ -1,14 +1,13 @@
 """Whether a micro-batch's gradients are all finite (`skip_nonfinite`), and
 the masking of a skipped micro-batch in compiled code.
 
-One `sum` per gradient answers it for nearly every micro-batch: a sum is
-non-finite whenever one of its terms is (NaN propagates; an infinity stays
-one, or meets the opposite one and makes NaN). It is the cheapest reduction
-every backend has, a fraction of `isfinite(...).all()`, which materialises
-or reads a boolean per entry. Finite entries can overflow into an infinite
-sum, though: the exact test runs only when a sum is not finite (a
-Python branch eagerly; a conditional in compiled code, which returns one
-bool, so that even XLA copies nothing for it).
+One `sum` per gradient answers for nearly every micro-batch: a sum is not
+finite whenever a term is not (NaN propagates; an infinity stays one or
+meets its opposite and makes NaN), and it is the cheapest reduction of
+every backend, a fraction of `isfinite(...).all()`, which reads a boolean
+per entry. Finite entries can overflow into an infinite sum, so the exact
+test runs only when a sum is not finite (a Python branch eagerly; in
+compiled code a conditional returning one bool, so XLA copies nothing).
 """
 
 from keras import backend

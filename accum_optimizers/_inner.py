@@ -17,13 +17,10 @@ _COUNTING_UPDATES = weakref.WeakSet()
 
 
 def accumulating_optimizers(optimizer):
-    """The accumulating optimizers `optimizer` applies through.
-
-    `optimizer` itself, the one a `keras.optimizers.LossScaleOptimizer`
-    wraps (`compile` adds one under the `mixed_float16` policy), or those
-    of a `keras.optimizers.MultiOptimizer`, in its order. Optimizers with
-    `accum_iters=1` are included; ones that do not accumulate
-    (Keras' own) are not.
+    """The accumulating optimizers `optimizer` applies through, those with
+    `accum_iters=1` included: itself, the one a `LossScaleOptimizer` wraps
+    (`compile` adds one under `mixed_float16`), or those of a
+    `MultiOptimizer`, in its order.
 
     Args:
         optimizer: a `keras.optimizers.Optimizer`, or `None`.

@@ -1,38 +1,36 @@
 """Values an accumulating optimizer's `apply` receives beside its arguments.
 
-Keras' trainers and wrappers call `optimizer.apply(grads)` and nothing
-more; what a window also needs is known earlier, elsewhere in the same
-thread:
+Keras' trainers and wrappers call `optimizer.apply(grads)` only; a window
+also needs, known earlier in the same thread:
 
 - the micro-batch's weight (`weigh_micro_batches`, while the loss is
   computed; `LossScaleOptimizer.apply(weight=)` and `stateless_apply`);
-- its loss (`scale_loss`, on every backend but JAX, whose loss is found in
-  the train step);
+- its loss (`scale_loss`; on JAX the train step's loss is read instead);
 - whether its gradients are finite, where a wrapper checked all of them
   (`MultiOptimizer`, so that its inner optimizers skip together).
 
-Each is put here for one optimizer in the current thread (replicas of
-`tf.distribute` run in threads of their own) and taken, all at once, by
-that optimizer's next `apply`. A wrapper that calls `apply` discards what
-is left when the call raises or skips, so nothing carries over to the next
-micro-batch.
+Each is put here per optimizer and per thread (`tf.distribute` replicas run
+in threads of their own) and taken all at once by that optimizer's next
+`apply`. A wrapper whose `apply` raises or skips discards what is left, so
+nothing carries over to the next micro-batch.
 
-Upstream of the weight, `weigh_micro_batches` records the Keras loss
-reductions of the micro-batch's loss while it is computed (the arguments
-of `reduce_weighted_values`, from which it reads the count the loss was
-divided by): `record_loss_reductions` collects them here, in the thread
-that computes the loss, from `_keras_private`'s wrapper of that function.
-
-This is the only module that keeps these values, and the only one that
-uses `threading`.
+The Keras loss reductions of a micro-batch's loss (from which
+`weigh_micro_batches` reads the count the loss was divided by) are
+recorded here too, by `_keras_private`'s wrapper of
+`reduce_weighted_values` (`record_loss_reductions`).
 """
 
 import contextlib
+import dataclasses
 import threading
+from typing import Any
 
 _local = threading.local()
 
 
+# `eq=False` on these records: their fields hold tensors, which `==`
+# compares elementwise; each record is compared by identity.
+@dataclasses.dataclass(eq=False)
 class Handoff:
     """The weight of an optimizer's next `apply`.
 
@@ -50,29 +48,21 @@ class Handoff:
             is then left out of its window.
     """
 
-    def __init__(
-        self,
-        weight,
-        loss_scaled=False,
-        check=False,
-        checked=None,
-        may_be_invalid=False,
-    ):
-        self.weight = weight
-        self.loss_scaled = loss_scaled
-        self.check = check
-        self.checked = checked
-        self.may_be_invalid = may_be_invalid
+    weight: Any
+    loss_scaled: bool = False
+    check: bool = False
+    checked: Any = None
+    may_be_invalid: bool = False
 
 
+@dataclasses.dataclass(eq=False)
 class Pending:
     """What an optimizer's next `apply` takes: `handoff` (a `Handoff` or
     `None`), `loss` and `finite` (`None` where none was put)."""
 
-    def __init__(self, handoff=None, loss=None, finite=None):
-        self.handoff = handoff
-        self.loss = loss
-        self.finite = finite
+    handoff: Any = None
+    loss: Any = None
+    finite: Any = None
 
 
 def _pending():

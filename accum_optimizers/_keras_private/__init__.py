@@ -1,86 +1,71 @@
 """Every private Keras (and backend) API this package relies on.
 
 A Keras upgrade is one review of this list; `tests/test_keras_private.py`
-exercises the behaviour we rely on for each entry, not only its name, on
-every Keras that `.ci/run` installs. Where versions differ, the difference
-is handled here and nowhere else (the "Versions" section below).
+exercises the behaviour relied on for each entry, not only its name, on
+every Keras that `.ci/run` installs. Differences between Keras versions are
+handled here (`versions.py`: the supported range, and the optimizers added
+after 3.10 in `OPTIMIZERS_ADDED_IN`) and nowhere else.
 
-Attributes and methods of `keras.optimizers.Optimizer` used by the mixin
-(`_accumulation.py`) and the backend classes (`_backend/`):
+`keras.optimizers.Optimizer`, used by the mixin (`_accumulation.py`) and
+the backend classes (`_backend/`):
 
-- `_iterations`: the update counter variable (`iterations` is a property
-  that Keras' own accumulation divides).
+- `_iterations`: the update counter variable (the `iterations` property is
+  divided by Keras' own accumulation).
 - `_trainable_variables`, `_get_variable_index(variable)`,
-  `_check_variables_are_known(variables)`: the variables the optimizer was
-  built with, and the index of each.
+  `_check_variables_are_known(variables)`: the built variables, and the
+  index of each.
 - `_track_variable(variable)`: registers an optimizer variable.
-- `_overwrite_variable_with_gradient(variable)`: float8 scale variables
-  that the optimizer overwrites with their "gradient".
+- `_overwrite_variable_with_gradient(variable)`: float8 scale variables,
+  overwritten with their "gradient".
 - `_get_current_learning_rate()`: the learning rate at `_iterations`.
 - `_apply_weight_decay(variables)`, `_use_weight_decay(variable)`: the
-  decoupled weight decay the update applies before `update_step`
-  (`decay_weight` applies it to one variable, in a branch), and
-  `keras.src.optimizers.base_optimizer.BaseOptimizer`, whose decay has no
-  backend's `merge_call`.
+  decoupled weight decay applied before `update_step`. `decay_weight`
+  applies it to one variable, in a branch, with
+  `keras.src.optimizers.base_optimizer.BaseOptimizer`'s decay where a
+  backend's override would `merge_call`.
 - TensorFlow: `_distribution_strategy` and `_all_reduce_sum_gradients`
   (`keras/src/backend/tensorflow/optimizer.py`).
-- torch: `TorchOptimizer.__new__` swaps in the fused
-  (`torch._foreach_*`) variant of a Keras optimizer (`fused_class`).
+- torch: `TorchOptimizer.__new__` swaps in the fused (`torch._foreach_*`)
+  variant of a Keras optimizer (`fused_class`).
 
-Behaviour of Keras' optimizers and trainers that the mixin relies on:
+Behaviour of Keras' optimizers and trainers:
 
-- `stateless_apply` (JAX, torch) runs the update by calling `self.apply`
-  inside a `StatelessScope`, so the accumulating `apply` runs there too.
-- `fit`'s train step calls `optimizer.scale_loss(loss)` and then
-  `optimizer.apply(...)` for the same micro-batch, on the same thread
+- `stateless_apply` (JAX, torch) calls `self.apply` inside a
+  `StatelessScope`, so the accumulating `apply` runs there too.
+- `fit`'s train step calls `optimizer.scale_loss(loss)`, then
+  `optimizer.apply(...)` for the same micro-batch on the same thread
   (`weigh_micro_batches` hands the weight from one to the other, and the
   optimizer the loss, for `window_loss`). On JAX `scale_loss` runs inside
-  `jax.value_and_grad`: the loss is read instead from the train step's
-  local `unscaled_loss` (`jax_train_step_loss`).
-- `MultiOptimizer` (`optimizers`, `apply`, `scale_loss`; and
-  `_var_to_optimizer_idx`, `_var_key`: which inner optimizer `apply` hands
-  each gradient to, `multi_optimizer_groups`) and
-  `LossScaleOptimizer` (`inner_optimizer`, `apply`, `stateless_apply`,
-  `scale_loss`) are patched by `_multi_optimizer.py` and `_loss_scale.py`.
+  `jax.value_and_grad`: the loss is read from the train step's local
+  `unscaled_loss` instead (`jax_train_step_loss`).
+- `MultiOptimizer` (`optimizers`, `apply`, `scale_loss`; `_var_to_optimizer_idx`
+  and `_var_key`, which inner optimizer `apply` hands each gradient to:
+  `multi_optimizer_groups`) and `LossScaleOptimizer` (`inner_optimizer`,
+  `apply`, `stateless_apply`, `scale_loss`) are patched by `_wrappers.py`.
 
-`keras.Variable._layout`: the `keras.distribution` layout of a variable
-(`None` without one), which the window's sums copy from their variable
-(`variable_layout`).
+`keras.Variable._layout`: a variable's `keras.distribution` layout, which
+the window's sums copy (`variable_layout`).
 
 Backend internals: TensorFlow's `control_flow_util.GraphOrParentsInXlaContext`
 and `tf.__internal__.distribute.strategy_supports_no_merge_call`; AutoGraph's
 `CONVERSION_RULES` (`tensorflow_runtime.py` adds the package's
 `DoNotConvert` rule, as TensorFlow's own tests add theirs);
-`jax.core.Tracer` (`is_jax_tracer`); torch's in-place
-`torch._foreach_add_`, `_foreach_div_`, `_foreach_zero_` and
-`_foreach_copy_` (`TORCH_FOREACH_FUNCTIONS`).
+`jax.core.Tracer` (`is_jax_tracer`); torch's in-place `_foreach_*`
+functions (`TORCH_FOREACH_FUNCTIONS`).
 
-Attributes and methods of `keras.layers.BatchNormalization` used by
-`AccumBatchNormalization` (`layers.py`), which replaces the moving-statistics
-update of its training branch: `_reduction_axes`, `_moments(inputs, mask)`,
-and for `renorm=True` `_renorm_correction_and_moments`,
-`_compose_transforms` and `_update_renorm_statistics`. Batch renormalization
-arrived in Keras 3.14 (3.13.2 has no `renorm`): read it with
-`batch_norm_renorm(layer)`.
+`keras.layers.BatchNormalization`, whose training branch's moving-statistics
+update `AccumBatchNormalization` (`layers.py`) replaces: `_reduction_axes`,
+`_moments(inputs, mask)`, and for `renorm=True`
+`_renorm_correction_and_moments`, `_compose_transforms` and
+`_update_renorm_statistics`, read with `batch_norm_renorm` (`renorm`
+arrived in Keras 3.14).
 
-Loss internals used by `weigh_micro_batches` (`weighting.py`): see
-`LOSS_MODULE_FUNCTIONS` below.
-
-Trainer internals used by `fit_to_memory` (`memory_fit.py`):
-`_symbolic_build` and JAX's `_jax_state` / `_jax_state_synced` (see
-`symbolic_build` and the functions after it).
-
-Used by `check_exactness` (`check/`): Keras' global `SeedGenerator` in
-`global_state` (`global_seed_generator_state`), `Functional` and
-`functional_like_constructor` (`is_functional`), and the unserialized
-arguments of `compile` in `Trainer._compile_config`
+The trainer side, in `training.py`: the loss internals of
+`weigh_micro_batches` (`LOSS_MODULE_FUNCTIONS`), the trainer internals of
+`fit_to_memory` (`symbolic_build` and JAX's `_jax_state`), and for
+`check_exactness` Keras' global `SeedGenerator`, `Functional` models
+(`is_functional`) and `compile`'s unserialized arguments
 (`compiled_loss_weights`).
-
-Versions: `check_keras_version` refuses a Keras older than 3.10 (3.9 lacks
-`keras.Variable(synchronization=...)`), Keras 2, and `tf.keras` routed to
-Keras 2 by `TF_USE_LEGACY_KERAS`. Optimizers Keras added after 3.10 are in
-`OPTIMIZERS_ADDED_IN`; `keras_optimizer_classes()` is the optimizers the
-installed Keras ships, `wrapper_optimizer_classes()` its wrappers.
 """
 
 import sys
@@ -237,9 +222,8 @@ def jax_train_step_loss():
     step.
 
     Keras' JAX trainer computes the loss inside `jax.value_and_grad` and
-    hands the optimizer only the gradients: the loss exists as the train
-    step's local `unscaled_loss` (Keras 3.10 through nightly), read here
-    from the calling frames.
+    hands the optimizer only the gradients: the loss is the train step's
+    local `unscaled_loss`, read here from the calling frames.
     """
     from keras.src.backend.jax import trainer
 

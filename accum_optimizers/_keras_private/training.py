@@ -5,6 +5,8 @@ the global random state `check_exactness` puts back. Part of
 there."""
 
 import contextlib
+import dataclasses
+from typing import Any
 
 import keras
 
@@ -44,15 +46,16 @@ def sublayers(layer):
     return layer._flatten_layers(include_self=False, recursive=True)
 
 
+@dataclasses.dataclass(eq=False)
 class LossReduction:
-    """The arguments of one `reduce_weighted_values` call."""
+    """The arguments of one `reduce_weighted_values` call (tensors: compared
+    by identity)."""
 
-    def __init__(self, values, sample_weight, mask, reduction, dtype):
-        self.values = values
-        self.sample_weight = sample_weight
-        self.mask = mask
-        self.reduction = reduction
-        self.dtype = dtype
+    values: Any
+    sample_weight: Any
+    mask: Any
+    reduction: str
+    dtype: Any
 
 
 def loss_module():

@@ -5,6 +5,7 @@ import re
 
 import keras
 
+# Keras 3.9 lacks `keras.Variable(synchronization=...)`.
 MINIMUM_KERAS = (3, 10)
 SUPPORTED_KERAS = "Keras >= 3.10, < 4 (and keras-nightly 3.x)"
 

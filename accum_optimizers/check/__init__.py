@@ -11,6 +11,8 @@ accum_optimizers.check model.keras data.npz --batch-size 8` runs it on a
 saved model.
 """
 
+import dataclasses
+
 import keras
 import numpy as np
 
@@ -173,12 +175,16 @@ def check_arguments(
     return optimizer, k, samples
 
 
+@dataclasses.dataclass
 class _Comparison:
     """What `_compare` measured: `table`, `drift`, `floor`, `notes`, and
     the `facts` the diagnosis reads (see `Setup`)."""
 
-    def __init__(self, **fields):
-        self.__dict__.update(fields)
+    table: list
+    drift: list
+    floor: list
+    notes: list
+    facts: dict
 
 
 def _trained(model, optimizer, accumulates, k, batch_size, samples):
