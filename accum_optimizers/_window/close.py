@@ -43,14 +43,14 @@ def close_window(optimizer, present=None):
     ]
     # Read the counts here, inside the branch: under TensorFlow's XLA
     # loop, a tensor captured from outside costs every micro-step.
+    total_weight = window.total_weight.value
+    extras = [
+        window.loss_sum.value,
+        ops.cast(window.seen.value, "float32"),
+        *noise.window_sums(window),
+    ]
     sums, extras, total_weight = backend.reduce_window(
-        [window.sums[i].value for i in summed],
-        [
-            window.loss_sum.value,
-            ops.cast(window.seen.value, "float32"),
-            *noise.window_sums(window),
-        ],
-        window.total_weight.value,
+        [window.sums[i].value for i in summed], extras, total_weight
     )
     loss_sum, seen, noise_sums = extras[0], extras[1], extras[2:]
     updated, masks = _updated(seen, summed, present)
@@ -91,6 +91,10 @@ def close_window(optimizer, present=None):
     if R > 1 and optimizer._counts_weights:
         samples = ops.multiply(total_weight, float(R))
     _count_samples(window, samples)
+    # Between windows the pending weight is 0. Written last: without a
+    # write at its end, XLA schedules the close's copies of the sums it
+    # only reads beside the update's temporaries (`benchmarks/memory.py`).
+    window.total_weight.assign(ops.zeros_like(window.total_weight.value))
 
 
 def flush(optimizer):
