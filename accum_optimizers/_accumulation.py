@@ -314,7 +314,7 @@ class GradientAccumulation:
         # `fit` calls this on the micro-batch's loss before differentiating
         # it: multiplying the loss by the micro-batch's weight weighs its
         # gradients for free, instead of multiplying every gradient.
-        _inputs.note_loss(self, loss)
+        step.note_loss(self, loss)
         return _inputs.weighed_loss(self, super().scale_loss(loss))
 
     def _get_current_learning_rate(self):

@@ -25,6 +25,8 @@ import dataclasses
 import threading
 from typing import Any
 
+from keras import ops
+
 _local = threading.local()
 
 
@@ -93,18 +95,6 @@ def put_finite(optimizer, finite):
     _entry(optimizer).finite = finite
 
 
-def note_loss(optimizer, loss):
-    """Keeps `loss`, the micro-batch's (`scale_loss` receives it), for
-    `optimizer`'s next `apply` where it keeps a window."""
-    if not optimizer._has_window:
-        return
-    from accum_optimizers import _backend
-
-    kept = _backend.kept_loss(loss)
-    if kept is not None:
-        put_loss(optimizer, kept)
-
-
 def weighed_loss(optimizer, loss):
     """`loss` multiplied by the weight handed over for `optimizer`'s next
     `apply` (once), where it keeps a window."""
@@ -112,8 +102,6 @@ def weighed_loss(optimizer, loss):
     if handoff is None or handoff.loss_scaled or not optimizer._has_window:
         return loss
     handoff.loss_scaled = True
-    from keras import ops
-
     return ops.multiply(loss, ops.cast(handoff.weight, loss.dtype))
 
 

@@ -46,6 +46,7 @@ from accum_optimizers._validation import validate_weighable
 from accum_optimizers._validation import validate_weight
 from accum_optimizers._window.restore import pending_restore
 from accum_optimizers._window.step import laid_out
+from accum_optimizers._window.step import note_loss
 
 # The Keras classes `install` patched (a second `install` leaves them be).
 _PATCHED = set()
@@ -163,7 +164,7 @@ def _noting_scale_loss(scale_loss):
         # `fit` hands the loss to the optimizer it compiled with: the
         # inner optimizer's `window_loss` needs it too.
         if is_accumulating_class(self.inner_optimizer):
-            _inputs.note_loss(self.inner_optimizer, loss)
+            note_loss(self.inner_optimizer, loss)
         return scale_loss(self, loss)
 
     return noting_scale_loss
@@ -184,7 +185,7 @@ def _install_multi_optimizer():
 
     def noting_scale_loss(self, loss):
         for optimizer in accumulating(self):
-            _inputs.note_loss(optimizer, loss)
+            note_loss(optimizer, loss)
         return scale_loss(self, loss)
 
     def agreeing_apply(self, grads, trainable_variables=None):

@@ -8,6 +8,7 @@ import keras
 from keras import ops
 
 from accum_optimizers import _backend
+from accum_optimizers import _inputs
 from accum_optimizers import _keras_private
 from accum_optimizers._validation import concrete_value
 from accum_optimizers._validation import validate_gradient
@@ -23,6 +24,16 @@ PARTLY_WRITTEN = (
     "partly updated and cannot continue exactly. Restore them from a "
     "checkpoint."
 )
+
+
+def note_loss(optimizer, loss):
+    """Keeps `loss`, the micro-batch's (`scale_loss` receives it), for
+    `optimizer`'s next `apply` where it keeps a window."""
+    if not optimizer._has_window:
+        return
+    kept = _backend.kept_loss(loss)
+    if kept is not None:
+        _inputs.put_loss(optimizer, kept)
 
 
 def checked_inputs(optimizer, pending, weight, loss):
