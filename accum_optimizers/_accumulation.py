@@ -350,8 +350,6 @@ class GradientAccumulation:
         config = _args.loaded_config(cls, config, custom_objects)
         return super().from_config(config, custom_objects=custom_objects)
 
-    # -- Read-outs ---------------------------------------------------------
-
     @property
     def current_accum_iters(self):
         """The window size now, as a Python int (`accum_iters`, or the
@@ -368,9 +366,7 @@ class GradientAccumulation:
     def micro_batches_seen(self):
         """Micro-batches (`apply` calls) accumulated since creation (not
         those a `LossScaleOptimizer` drops before they reach it)."""
-        return counts.read(
-            self, lambda w: w.micro_batches, self._iterations_now
-        )
+        return counts.read(self, lambda w: w.micro_batches, self._updates)
 
     @property
     def skipped_micro_batches(self):
@@ -443,7 +439,7 @@ class GradientAccumulation:
         for a window of one micro-batch, `0` before the first update."""
         return noise.read(self, "window_noise_trace")
 
-    def _iterations_now(self):
+    def _updates(self):
         return self.iterations
 
 
