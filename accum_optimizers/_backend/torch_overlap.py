@@ -20,6 +20,8 @@ produces them, each bucket only once every bucket before it is launched
 its bucket, and the ones after it, until the close.
 """
 
+import dataclasses
+
 import torch
 
 from accum_optimizers import _keras_private
@@ -284,16 +286,18 @@ class LastBackward:
             bucket.flat = None
 
 
+@dataclasses.dataclass(eq=False)
 class _Bucket:
     """One bucket: its variables' indices and sums, the gradients it still
     waits for, its flat buffer and its all-reduce's handle."""
 
-    def __init__(self, indices, sums):
-        self.indices = indices
-        self.sums = sums
-        self.waiting = len(indices)
-        self.flat = None
-        self.handle = None
+    indices: list
+    sums: list
+    flat: object = None
+    handle: object = None
+
+    def __post_init__(self):
+        self.waiting = len(self.indices)
 
 
 def _same_tensor(a, b):

@@ -70,7 +70,7 @@ def close_window(optimizer, present=None):
     # XLA keeps every mean beside the sums.
     grad_norm = ops.divide(_global_norm(sums), divisor)
     window.window_grad_norm.assign(grad_norm)
-    R = _backend.replica_count(optimizer)
+    replicas = _backend.replica_count(optimizer)
     if noise_sums:
         noise.close(optimizer, noise_sums, ops.square(grad_norm), total_weight)
     means = backend.mean([window.sums[i] for i in averaged], sums, divisor)
@@ -88,8 +88,8 @@ def close_window(optimizer, present=None):
     # before the window. The close divides by the replicas' mean total
     # weight; a weighted window counts each replica's samples: their sum.
     samples = total_weight
-    if R > 1 and optimizer._counts_weights:
-        samples = ops.multiply(total_weight, float(R))
+    if replicas > 1 and optimizer._counts_weights:
+        samples = ops.multiply(total_weight, float(replicas))
     _count_samples(window, samples)
     # Between windows the pending weight is 0. Written last: without a
     # write at its end, XLA schedules the close's copies of the sums it

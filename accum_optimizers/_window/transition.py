@@ -97,7 +97,9 @@ def enters(finite, valid):
     return ops.logical_and(finite, valid)
 
 
-def micro_step(window, grads, micro_batch, agreed, window_size, squares, R):
+def micro_step(
+    window, grads, micro_batch, agreed, window_size, squares, replicas
+):
     """The `Step` of one micro-batch.
 
     Args:
@@ -110,16 +112,15 @@ def micro_step(window, grads, micro_batch, agreed, window_size, squares, R):
             int32 scalar).
         squares: its gradients' sums of squares where the noise scale is
             measured, else `None`.
-        R: the number of replicas its gradients are divided by.
+        replicas: the number of replicas its gradients are divided by.
     """
     known = None if agreed is None else concrete_value(agreed)
     if known is not None:
         agreed = None if bool(known) else False
     if agreed is False:
-        return _left_out(window, micro_batch, grads)
+        return _left_out(window, micro_batch)
     count = 1 if agreed is None else ops.cast(agreed, "int32")
-    before = window.micro_steps.value
-    micro_steps = ops.add(before, count)
+    micro_steps = ops.add(window.micro_steps.value, count)
     opens = ops.equal(micro_steps, 1)
     closes = ops.greater_equal(micro_steps, window_size)
     if agreed is not None:
@@ -161,12 +162,12 @@ def micro_step(window, grads, micro_batch, agreed, window_size, squares, R):
         step.skipped = ops.add(window.skipped.value, ops.subtract(1, count))
     if squares is not None:
         step.noise_sums = _noise_sums(
-            window, opens, squares, micro_batch, agreed, R
+            window, opens, squares, micro_batch, agreed, replicas
         )
     return step
 
 
-def _left_out(window, micro_batch, grads):
+def _left_out(window, micro_batch):
     """The `Step` of a micro-batch known to leave its window: nothing
     moves but the skip count."""
     return Step(
@@ -185,15 +186,15 @@ def _left_out(window, micro_batch, grads):
     )
 
 
-def _noise_sums(window, opens, squares, micro_batch, agreed, R):
+def _noise_sums(window, opens, squares, micro_batch, agreed, replicas):
     """The window's noise sums after the micro-batch (`noise.py` turns
     them into estimates at the close)."""
     sq_norm = ops.sum(ops.stack(squares)) if squares else 0.0
     sq_norm = ops.convert_to_tensor(sq_norm, "float32")
-    if R > 1:
+    if replicas > 1:
         # A replica's gradient arrives divided by the replica count (as
         # Keras' losses scale it): its share's own mean is R times it.
-        sq_norm = ops.multiply(sq_norm, float(R * R))
+        sq_norm = ops.multiply(sq_norm, float(replicas * replicas))
     counts = agreed
     weight = micro_batch.weight
     if weight is None:
