@@ -315,7 +315,7 @@ class GradientAccumulation:
         # it: multiplying the loss by the micro-batch's weight weighs its
         # gradients for free, instead of multiplying every gradient.
         step.note_loss(self, loss)
-        return _inputs.weighed_loss(self, super().scale_loss(loss))
+        return step.weighed_loss(self, super().scale_loss(loss))
 
     def _get_current_learning_rate(self):
         if schedules.keyed_on_samples(self._learning_rate):

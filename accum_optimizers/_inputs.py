@@ -25,8 +25,6 @@ import dataclasses
 import threading
 from typing import Any
 
-from keras import ops
-
 _local = threading.local()
 
 
@@ -93,16 +91,6 @@ def put_finite(optimizer, finite):
     """Sets whether the gradients of `optimizer`'s next `apply` are finite
     (a wrapper's check of every gradient)."""
     _entry(optimizer).finite = finite
-
-
-def weighed_loss(optimizer, loss):
-    """`loss` multiplied by the weight handed over for `optimizer`'s next
-    `apply` (once), where it keeps a window."""
-    handoff = handoff_of(optimizer)
-    if handoff is None or handoff.loss_scaled or not optimizer._has_window:
-        return loss
-    handoff.loss_scaled = True
-    return ops.multiply(loss, ops.cast(handoff.weight, loss.dtype))
 
 
 def handoff_of(optimizer):

@@ -36,6 +36,16 @@ def note_loss(optimizer, loss):
         _inputs.put_loss(optimizer, kept)
 
 
+def weighed_loss(optimizer, loss):
+    """`loss` multiplied by the weight handed over for `optimizer`'s next
+    `apply` (once), where it keeps a window."""
+    handoff = _inputs.handoff_of(optimizer)
+    if handoff is None or handoff.loss_scaled or not optimizer._has_window:
+        return loss
+    handoff.loss_scaled = True
+    return ops.multiply(loss, ops.cast(handoff.weight, loss.dtype))
+
+
 def checked_inputs(optimizer, pending, weight, loss):
     """`(micro_batch, context)`: the call's inputs besides its gradients
     (its arguments, else what `pending`, an `_inputs.Pending`, holds),
