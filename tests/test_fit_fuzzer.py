@@ -146,8 +146,8 @@ def runs(draw):
 
 
 # Holes found and not fixed yet: (the runs it spoils, the checks left out
-# on them, what is wrong), each pinned by a strict xfail test below; whoever
-# fixes one removes its entry here and the mark there.
+# on them, what is wrong, a minimal run it spoils), each run pinned by a
+# strict xfail below; whoever fixes one removes its entry.
 _EAGER_WEIGHTS_RESUME_AFTER_A_DROPPED_STEP = (
     "TensorFlow, run eagerly, mixed_float16: a weights-only resume of a "
     "measuring optimizer whose LossScaleOptimizer dropped a non-finite "
@@ -169,6 +169,16 @@ KNOWN_HOLES = [
         ),
         {"window_loss"},
         _BFLOAT16_XLA_CLIPPED_FLUSH_LOSS,
+        Run(
+            optimizer="sgd",
+            clipnorm=0.5,
+            accum=4,
+            micro_batch=2,
+            samples=17,
+            flush=True,
+            policy="mixed_bfloat16",
+            jit_compile=True,
+        ),
     ),
     (
         lambda run: (
@@ -181,6 +191,22 @@ KNOWN_HOLES = [
         ),
         {"all"},
         _EAGER_WEIGHTS_RESUME_AFTER_A_DROPPED_STEP,
+        Run(
+            optimizer="sgd",
+            accum={0: 2, 2: 3},
+            micro_batch=4,
+            samples=17,
+            weighted=True,
+            flush=True,
+            bad=(0,),
+            policy="mixed_float16",
+            resume="weights",
+            resume_at=4,
+            jit_compile=False,
+            run_eagerly=True,
+            noise=True,
+            noise_momentum=0.0,
+        ),
     ),
 ]
 
@@ -215,7 +241,7 @@ def check(run, tmp_path, holes=True):
     """Checks `run` against the parent; `holes`: leaves out the checks
     that `KNOWN_HOLES` spoils for it (a pinned hole's own test does not)."""
     unchecked = set()
-    for spoils, checks, why in KNOWN_HOLES if holes else ():
+    for spoils, checks, why, _ in KNOWN_HOLES if holes else ():
         if spoils(run):
             note(f"known hole, not checked: {why}")
             unchecked |= checks
@@ -243,46 +269,22 @@ def check(run, tmp_path, holes=True):
     return ours, parent
 
 
-@pytest.mark.backends("tensorflow")
-@pytest.mark.xfail(
-    strict=True, reason=f"hole: {_EAGER_WEIGHTS_RESUME_AFTER_A_DROPPED_STEP}"
+@pytest.mark.parametrize(
+    "hole",
+    [
+        pytest.param(
+            hole,
+            marks=pytest.mark.xfail(strict=True, reason=f"hole: {hole[2]}"),
+            id=f"hole{i}",
+        )
+        for i, hole in enumerate(KNOWN_HOLES)
+    ],
 )
-def test_hole_an_eager_weights_resume_after_a_dropped_step(tmp_path):
-    run = Run(
-        optimizer="sgd",
-        accum={0: 2, 2: 3},
-        micro_batch=4,
-        samples=17,
-        weighted=True,
-        flush=True,
-        bad=(0,),
-        policy="mixed_float16",
-        resume="weights",
-        resume_at=4,
-        jit_compile=False,
-        run_eagerly=True,
-        noise=True,
-        noise_momentum=0.0,
-    )
-    check(run, tmp_path, holes=False)
-
-
-@pytest.mark.backends("tensorflow")
-@pytest.mark.xfail(
-    strict=True, reason=f"hole: {_BFLOAT16_XLA_CLIPPED_FLUSH_LOSS}"
-)
-def test_hole_the_window_loss_of_a_clipped_bfloat16_flush_under_xla(tmp_path):
-    run = Run(
-        optimizer="sgd",
-        clipnorm=0.5,
-        accum=4,
-        micro_batch=2,
-        samples=17,
-        flush=True,
-        policy="mixed_bfloat16",
-        jit_compile=True,
-    )
-    check(run, tmp_path, holes=False)
+def test_each_known_hole_still_fails_its_pinned_run(hole, tmp_path):
+    spoils, _, _, pinned = hole
+    if not spoils(pinned):
+        pytest.skip(f"a hole of another backend than {BACKEND}")
+    check(pinned, tmp_path, holes=False)
 
 
 @settings(max_examples=EXAMPLES)
