@@ -2,7 +2,7 @@
 
 The accumulating optimizer computes a micro-step as a value
 (`_window/transition.py`) and hands its writes to one object per
-optimizer, a `WindowBackend`, through the eight hooks below. A backend
+optimizer, a `WindowBackend`, through the hooks below. A backend
 module (`tensorflow.py`, `jax.py`, `torch.py`) subclasses it where its
 cheapest arrangement differs, as Keras' own `TFOptimizer`, `JaxOptimizer`
 and `TorchOptimizer` override `BaseOptimizer`. Each backend module also
@@ -39,8 +39,14 @@ class WindowBackend:
         (`None`s left out) where `squares`, and whether every entry is
         finite (a bool or a traced scalar bool) where `finite`; `None`
         for what is not asked."""
-        sq = sums_of_squares(grads) if squares else None
+        sq = self.sums_of_squares(grads) if squares else None
         return sq, (all_finite(grads, squares=sq) if finite else None)
+
+    def sums_of_squares(self, tensors):
+        """The float32 sum of squares of each of `tensors` (`None`s left
+        out), in one read of each: the noise scale's micro-batch norms and
+        the window's gradient norm."""
+        return sums_of_squares(tensors)
 
     def agree(self, flag):
         """`flag` (this replica's or rank's bool) and-ed over every replica

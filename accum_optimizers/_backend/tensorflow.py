@@ -41,7 +41,6 @@ from accum_optimizers._backend.base import targets
 from accum_optimizers._backend.base import write_counters
 from accum_optimizers._finite import all_finite
 from accum_optimizers._finite import masked
-from accum_optimizers._finite import sums_of_squares
 from accum_optimizers._validation import MIN_WEIGHT
 
 EAGER, GRAPH, XLA, MERGE_CALL = "eager", "graph", "xla", "merge_call"
@@ -65,8 +64,17 @@ class WindowBackend(base.WindowBackend):
         # table), so that the squares are the dense gradient's.
         sq = None
         if squares:
-            sq = sums_of_squares([_merged_rows(g) for g in grads])
+            sq = self.sums_of_squares([_merged_rows(g) for g in grads])
         return sq, (all_finite(grads, squares=sq) if finite else None)
+
+    def sums_of_squares(self, tensors):
+        # `L2Loss` is one kernel without a temporary, where a square then
+        # a sum are two and a buffer the size of the tensor.
+        return [
+            2.0 * tf.nn.l2_loss(tf.cast(_entries(t), "float32"))
+            for t in tensors
+            if t is not None
+        ]
 
     def agree(self, flag):
         replica_context = tf.distribute.get_replica_context()
@@ -241,6 +249,11 @@ def _after(grads):
     if isinstance(last, tf.IndexedSlices):
         last = last.values
     return tf.control_dependencies([last])
+
+
+def _entries(grad):
+    """A gradient's entries: an `IndexedSlices`' values, or itself."""
+    return grad.values if isinstance(grad, tf.IndexedSlices) else grad
 
 
 def _dense(grad):

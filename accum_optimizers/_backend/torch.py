@@ -31,17 +31,7 @@ class WindowBackend(base.WindowBackend):
 
     def read_gradients(self, grads, squares, finite):
         overlap = _overlap_of(self.optimizer)
-        sq = None
-        if squares:
-            # One fused kernel per gradient, without `keras.ops`' per-call
-            # cost.
-            sq = [
-                torch.linalg.vector_norm(
-                    torch.as_tensor(grad), dtype=torch.float32
-                ).square()
-                for grad in grads
-                if grad is not None
-            ]
+        sq = self.sums_of_squares(grads) if squares else None
         if not finite:
             return sq, None
         if overlap is not None and overlap.claimed is not None:
@@ -57,6 +47,17 @@ class WindowBackend(base.WindowBackend):
         return sq, all_finite(
             grads, sums_are_finite=_sums_are_finite, squares=sq
         )
+
+    @torch.no_grad()
+    def sums_of_squares(self, tensors):
+        # One fused kernel per tensor, without `keras.ops`' per-call cost.
+        return [
+            torch.linalg.vector_norm(
+                torch.as_tensor(t), dtype=torch.float32
+            ).square()
+            for t in tensors
+            if t is not None
+        ]
 
     def agree(self, flag):
         sync = window_sync(self.optimizer)
