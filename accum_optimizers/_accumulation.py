@@ -26,6 +26,7 @@ from accum_optimizers import _keras_private
 from accum_optimizers import schedules
 from accum_optimizers._batch_norm_windows import warn_of_other_windows
 from accum_optimizers._parent_args import bind_parent_arguments
+from accum_optimizers._window import adascale
 from accum_optimizers._window import close
 from accum_optimizers._window import counts
 from accum_optimizers._window import noise
@@ -86,6 +87,7 @@ class GradientAccumulation:
         self.skip_nonfinite = accumulation["skip_nonfinite"]
         self.accumulator_dtype = accumulation["accumulator_dtype"]
         self.decay = accumulation["decay"]
+        adascale.check(self)
         self._window_backend = _backend.WindowBackend(self)
         self._window = None
         # Whether a micro-batch has carried a weight: windows then count
@@ -103,7 +105,9 @@ class GradientAccumulation:
         unbuilt = len(self.variables)
         super().build(variables)
         parent = len(self.variables)
-        state = window_state(self.measure_noise_scale)
+        state = window_state(
+            self.measure_noise_scale, adascale.uses_adascale(self)
+        )
         if self._has_window:
             self._window = build_window(self, variables, state)
         self._accum_layout = Layout(unbuilt, parent, len(self.variables), state)
@@ -138,6 +142,7 @@ class GradientAccumulation:
     @measure_noise_scale.setter
     def measure_noise_scale(self, measure):
         _args.check_settable_measure_noise_scale(self, measure)
+        adascale.check_measured(self, measure)
         self._accum_measure_noise_scale = measure
 
     @property
@@ -318,7 +323,9 @@ class GradientAccumulation:
         return step.weighed_loss(self, super().scale_loss(loss))
 
     def _get_current_learning_rate(self):
-        if schedules.keyed_on_samples(self._learning_rate):
+        if adascale.uses_adascale(self):
+            learning_rate = adascale.learning_rate(self)
+        elif schedules.keyed_on_samples(self._learning_rate):
             learning_rate = self._learning_rate.at_samples(counts.samples(self))
         else:
             learning_rate = super()._get_current_learning_rate()
@@ -438,6 +445,20 @@ class GradientAccumulation:
         """The last applied window's unbiased estimate of `tr(Sigma)`: NaN
         for a window of one micro-batch, `0` before the first update."""
         return noise.read(self, "window_noise_trace")
+
+    @property
+    def adascale_gain(self):
+        """AdaScale's gain `r` of the last update (`schedules.adascale`):
+        in `[1, S]` for a window `S` times the base batch; NaN without an
+        AdaScale learning rate, `0` before the first update."""
+        return adascale.read(self, "adascale_gain")
+
+    @property
+    def scale_invariant_step(self):
+        """AdaScale's scale-invariant step: the base schedule's progress,
+        the sum of the gains of the updates applied (NaN without an
+        AdaScale learning rate)."""
+        return adascale.read(self, "scale_invariant_step")
 
     def _updates(self):
         return self.iterations

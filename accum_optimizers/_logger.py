@@ -17,6 +17,7 @@ from accum_optimizers import schedules
 from accum_optimizers._inner import accumulating_of_model
 from accum_optimizers._inner import count_updates_in_multi_optimizer
 from accum_optimizers._inner import refuse_skips_with_accum_batch_norm
+from accum_optimizers._window.adascale import uses_adascale
 from accum_optimizers._window.noise import measuring
 from accum_optimizers._window.noise import read_outs_of
 
@@ -47,7 +48,10 @@ class AccumulationLogger(keras.callbacks.Callback):
       unit of `samples_seen`), `gradient_sq_norm` and
       `gradient_noise_trace`, its two moving averages (under a
       `MultiOptimizer`, the components summed over the inner optimizers
-      that measure them, and their ratio).
+      that measure them, and their ratio);
+    - with `learning_rate=schedules.adascale(...)`: `adascale_gain`, the
+      last update's gain, and `scale_invariant_step`, the base schedule's
+      progress (stop when it reaches the base run's length).
 
     The progress bar then shows them beside the loss, `History` records
     their values at each epoch's end, and callbacks listed after this one
@@ -72,7 +76,7 @@ class AccumulationLogger(keras.callbacks.Callback):
       samples);
     - `accumulation/window_loss`, `accumulation/window_grad_norm`,
       `accumulation/skipped_micro_batches`, `accumulation/samples_seen`
-      and the noise scale's three: as in `logs`.
+      the noise scale's three and AdaScale's two: as in `logs`.
 
     A point is written at each epoch's end and, with `update_freq`, after
     batches that applied an update; none before the first update. The
@@ -179,6 +183,8 @@ class AccumulationLogger(keras.callbacks.Callback):
         self._record = _WINDOW_RECORD
         if measuring(accumulating_of_model(self.model, "AccumulationLogger")):
             self._record = _WINDOW_RECORD + _NOISE_RECORD
+        if uses_adascale(self._optimizer()):
+            self._record += _ADASCALE_RECORD
         self.windows = {name: [] for name in self._record}
         if self.log_dir is not None:
             self._writer = _tensorboard.scalar_writer(
@@ -265,6 +271,11 @@ class AccumulationLogger(keras.callbacks.Callback):
         )
         if optimizers:
             metrics.update(read_outs_of(optimizers))
+        if uses_adascale(optimizer):
+            for name in _ADASCALE_RECORD:
+                metrics[name] = float(
+                    ops.convert_to_numpy(getattr(optimizer, name))
+                )
         if isinstance(logs, dict):
             logs["updates"] = updates
             logs["micro_steps"] = micro_steps
@@ -330,6 +341,10 @@ _WINDOW_RECORD = (
 
 # What it records besides, with `measure_noise_scale=True`.
 _NOISE_RECORD = ("noise_scale", "gradient_sq_norm", "gradient_noise_trace")
+
+
+# And with an AdaScale learning rate.
+_ADASCALE_RECORD = ("adascale_gain", "scale_invariant_step")
 
 
 def _is_positive_int(value: Any) -> bool:

@@ -265,8 +265,10 @@ def _dtype(value):
     return keras.backend.standardize_dtype(value.dtype)
 
 
-# Keyed on the measured noise scale: a module of its own, which subclasses
-# `AccumSchedule` above.
+# Keyed on the measured noise scale (a module of its own, which subclasses
+# `AccumSchedule` above), and AdaScale's learning rate.
+from accum_optimizers._adascale_schedule import AdaScaleLearningRate  # noqa: E402, F401
+from accum_optimizers._adascale_schedule import adascale  # noqa: E402, F401
 from accum_optimizers._noise_schedule import NoiseScaleAccumIters  # noqa: E402, F401
 from accum_optimizers._noise_schedule import by_noise_scale  # noqa: E402, F401
 from accum_optimizers._noise_schedule import keyed_on_noise_scale  # noqa: E402, F401

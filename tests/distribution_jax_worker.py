@@ -34,6 +34,7 @@ from helpers import window_state
 from accum_optimizers import AdamAccumulate
 from accum_optimizers import RMSpropAccumulate
 from accum_optimizers import SGDAccumulate
+from accum_optimizers import schedules
 
 DEVICE_COUNT = 2
 ACCUM_ITERS = 3
@@ -92,13 +93,20 @@ CASES = {
         compare_weights=False,
         our_kwargs={"accumulator_dtype": "bfloat16"},
     ),
-    # The noise scale's scalars under a distribution: programs see global
-    # arrays, so it must measure what one device measures.
-    "adam_noise_scale": Case(
-        AdamAccumulate,
-        {"learning_rate": 0.01},
+    # The noise scale's scalars, and AdaScale's learning rate from them,
+    # under a distribution: programs see global arrays, so it must measure
+    # and scale as one device does (its weights differ from the parent's:
+    # the gain is not 1).
+    "sgd_adascale_noise_scale": Case(
+        SGDAccumulate,
+        {"momentum": 0.9},
         "data",
-        our_kwargs={"measure_noise_scale": True, "noise_scale_momentum": 0.5},
+        compare_weights=False,
+        our_kwargs={
+            "learning_rate": schedules.adascale(0.1, base_batch_size=1),
+            "measure_noise_scale": True,
+            "noise_scale_momentum": 0.5,
+        },
     ),
 }
 
@@ -107,6 +115,8 @@ NOISE_READOUTS = (
     "noise_scale",
     "window_noise_trace",
     "window_gradient_sq_norm",
+    "adascale_gain",
+    "scale_invariant_step",
 )
 
 # Where the parent Keras optimizers keep their per-variable slots.
@@ -248,6 +258,9 @@ def _run_case(name, devices, x, y):
         for name in NOISE_READOUTS:
             noise[name] = float(getattr(ours, name))
             noise[f"one_device_{name}"] = float(getattr(alone, name))
+        noise["one_device_weights"] = [
+            w.tolist() for w in alone_model.get_weights()
+        ]
     parent_state = parent.variables
     return {
         "noise": noise,

@@ -48,6 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accum_optimizers import AdamAccumulate
 from accum_optimizers import SGDAccumulate
+from accum_optimizers import schedules
 from accum_optimizers.torch_distributed import sync_windows
 from accum_optimizers.torch_distributed import weigh_next_backward
 
@@ -397,6 +398,9 @@ def reached_heads(rank, x, y, overlap, pattern):
     return results
 
 
+NOISE_BASE_BATCH = 2.0  # AdaScale's base batch in `noise_scale_across_ranks`
+
+
 def noise_gradients(rank, step):
     """`(grads, weight)` of micro-step `step` on `rank` for
     `noise_scale_across_ranks`: numpy draws, a weight per micro-batch."""
@@ -410,13 +414,18 @@ def noise_gradients(rank, step):
 
 
 def noise_scale_across_ranks(rank):
-    """`measure_noise_scale` under `sync_windows`: each rank's micro-batch
+    """`measure_noise_scale` under `sync_windows`, with an AdaScale
+    learning rate (base batch `NOISE_BASE_BATCH`): each rank's micro-batch
     is a small batch, the window over every rank the big one (keys
     `noise_*`)."""
     model = small_model(0)
     optimizer = sync_windows(
         SGDAccumulate(
-            learning_rate=0.01, accum_iters=K, measure_noise_scale=True
+            learning_rate=schedules.adascale(
+                0.01, base_batch_size=NOISE_BASE_BATCH
+            ),
+            accum_iters=K,
+            measure_noise_scale=True,
         )
     )
     variables = model.trainable_variables
@@ -429,7 +438,12 @@ def noise_scale_across_ranks(rank):
         f"noise_{name}": float(
             keras.ops.convert_to_numpy(getattr(optimizer, name))
         )
-        for name in ("window_gradient_sq_norm", "window_noise_trace")
+        for name in (
+            "window_gradient_sq_norm",
+            "window_noise_trace",
+            "adascale_gain",
+            "scale_invariant_step",
+        )
     }
 
 

@@ -98,6 +98,9 @@ class Run:
     # `measure_noise_scale` and `noise_scale_momentum`.
     noise: bool = False
     noise_momentum: float = 0.99
+    # An AdaScale learning rate (SGD, with `noise`): the base batch is one
+    # micro-batch (its samples in weighted windows).
+    adascale: bool = False
 
     @property
     def micro_batches(self):
@@ -186,6 +189,10 @@ def _compile_ours(run, model):
     if run.noise:
         options["measure_noise_scale"] = True
         options["noise_scale_momentum"] = run.noise_momentum
+    if run.adascale:
+        options["learning_rate"] = ao_schedules.adascale(
+            options["learning_rate"], base_batch_size=adascale_base(run)
+        )
     optimizer = cls(
         accum_iters=accum_iters_argument(run),
         skip_nonfinite=run.skip,
@@ -203,6 +210,11 @@ def _compile_ours(run, model):
         steps_per_execution=run.steps_per_execution,
     )
     return model
+
+
+def adascale_base(run):
+    """AdaScale's base batch in the noise scale's unit: one micro-batch."""
+    return float(run.micro_batch) if run.weighted else 1.0
 
 
 def accumulating(model):
@@ -398,6 +410,12 @@ def _train_parent(run):
         counts = [_count(run, w, j) for j in window]
         if noise is not None:
             noise.add(model.get_weights(), window, counts)
+        if run.adascale:
+            gain = noise.adascale_gain(
+                sum(counts) if run.weighted else len(window),
+                adascale_base(run),
+            )
+            optimizer.learning_rate = options["learning_rate"] * gain
         rows = np.concatenate([_rows(run, j) for j in window])
         coefficient = np.concatenate(
             [
@@ -502,6 +520,7 @@ class NoiseOracle:
         # starts at 0.
         self.largest = (0.0, 0.0)
         self.history = []  # the noise scale's interval after each update
+        self.gains = []  # AdaScale's gain of each update
         self.estimates = 0  # windows that gave an estimate
 
     def add(self, weights, window, counts):
@@ -561,6 +580,22 @@ class NoiseOracle:
             return ((trace - trace_bound) / (sq_norm + sq_bound), np.inf)
         return (-np.inf, np.inf)
 
+    def adascale_gain(self, window_weight, base):
+        """AdaScale's gain of a window of `window_weight` closing now, from
+        the averages (`1` before the first estimate), as Johnson et al.
+        (2020) define it, clipped to `[1, S]`; recorded in `gains`."""
+        gain = 1.0
+        if self.weight > 0:
+            sq_norm, trace = np.maximum(self.averages / self.weight, 0.0)
+            if trace / window_weight + sq_norm > 0:
+                gain = (trace / base + sq_norm) / (
+                    trace / window_weight + sq_norm
+                )
+            scale = window_weight / base
+            gain = float(np.clip(gain, min(1, scale), max(1, scale)))
+        self.gains.append(gain)
+        return gain
+
     def window_size(
         self, micro_batch_size, floor, ceiling, grow_only, warmup_windows
     ):
@@ -615,10 +650,13 @@ def noise_outcome(run, optimizer, logged):
     the run does not measure it)."""
     if not run.noise:
         return {}
+    read_outs = NOISE_READ_OUTS
+    if run.adascale:
+        read_outs += ("adascale_gain", "scale_invariant_step")
     return {
         "noise": {
             name: float(to_numpy(getattr(optimizer, name)))
-            for name in NOISE_READ_OUTS
+            for name in read_outs
         },
         "noise_logged": logged,
     }
@@ -645,6 +683,18 @@ def assert_same_noise(run, ours, parent):
     expected = oracle.expected()
     for name in NOISE_READ_OUTS:
         _assert_within(ours["noise"][name], expected[name], name)
+    if run.adascale:
+        # The oracle's gains set the parent's learning rates, so the
+        # weights judge them too; these are the read-outs.
+        np.testing.assert_allclose(
+            [
+                ours["noise"]["adascale_gain"],
+                ours["noise"]["scale_invariant_step"],
+            ],
+            [oracle.gains[-1] if oracle.gains else 0.0, sum(oracle.gains)],
+            rtol=1e-4,
+            err_msg="adascale_gain, scale_invariant_step",
+        )
     if run.logger:
         for update, value in ours["noise_logged"]:
             _assert_within(

@@ -48,6 +48,7 @@ GLOBAL_MICRO = 8  # 4 per replica
 # fit: 8 micro-batches of 8, then one of 1 (split 1 / 0).
 FIT_SAMPLES = 8 * GLOBAL_MICRO + 1
 FIT_K = 3
+FIT_BASE_BATCH = 4.0  # AdaScale's base batch, in samples
 SKIPPED = 4  # its first sample is NaN: the first replica's share
 FIT_WINDOWS = [[0, 1, 2], [3, 5, 6], [7, 8]]  # the last one flushed
 LOOP_K = 2
@@ -58,6 +59,8 @@ READ_OUTS = (
     "gradient_sq_norm",
     "gradient_noise_trace",
     "noise_scale",
+    "adascale_gain",
+    "scale_invariant_step",
 )
 # One strategy per process (batchnorm_mirrored_worker.py).
 STRATEGY = tf.distribute.MirroredStrategy(DEVICES)
@@ -122,8 +125,11 @@ def fit_case():
     split = split_of_global_batches(STRATEGY, FIT_SAMPLES, GLOBAL_MICRO)
     with STRATEGY.scope():
         model = small_model(0)
-        optimizer = AdamAccumulate(
-            learning_rate=0.01,
+        optimizer = SGDAccumulate(
+            learning_rate=accum_optimizers.schedules.adascale(
+                0.05, base_batch_size=FIT_BASE_BATCH
+            ),
+            momentum=0.9,
             accum_iters=FIT_K,
             skip_nonfinite=True,
             measure_noise_scale=True,
@@ -275,6 +281,7 @@ def main(out):
         "replicas": STRATEGY.num_replicas_in_sync,
         "imported_from": accum_optimizers.__file__,
         "momentum": MOMENTUM,
+        "fit_base_batch": FIT_BASE_BATCH,
         "fit": recorded(fit_case),
         "custom_loop": recorded(lambda: loop_case(multi=False)),
         "multi_optimizer": recorded(lambda: loop_case(multi=True)),

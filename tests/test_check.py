@@ -32,6 +32,7 @@ from accum_optimizers import AdamAccumulate
 from accum_optimizers import FlushAccumulation
 from accum_optimizers import SGDAccumulate
 from accum_optimizers import check_exactness
+from accum_optimizers import schedules
 from accum_optimizers import weigh_micro_batches
 from accum_optimizers.check import ExactnessReport
 from accum_optimizers.check import VariableDrift
@@ -412,6 +413,16 @@ def test_model_optimizer_and_random_state_are_left_as_they_were():
         (
             {"optimizer": AdamAccumulate(accum_iters={0: 1, 2: 2})},
             "accum_iters=",
+        ),
+        (
+            {
+                "optimizer": SGDAccumulate(
+                    learning_rate=schedules.adascale(0.1, 4),
+                    accum_iters=2,
+                    measure_noise_scale=True,
+                )
+            },
+            "learning_rate=adascale",
         ),
     ],
 )

@@ -150,14 +150,21 @@ def test_iterations_count_windows_and_none_is_pending(results, name):
     assert result["micro_batches_seen"] == WINDOWS * ACCUM_ITERS
 
 
-def test_the_noise_scale_under_data_parallel_is_the_one_device_s(results):
+def test_the_noise_scale_and_adascale_under_data_parallel_are_one_device_s(
+    results,
+):
     # Programs see global arrays: each micro-batch is the global one, and
     # the measurement is what the same run on one device measures.
     from distribution_jax_worker import NOISE_READOUTS
 
-    noise = results["adam_noise_scale"]["noise"]
+    result = results["sgd_adascale_noise_scale"]
+    noise = result["noise"]
     for name in NOISE_READOUTS:
         assert np.isfinite(noise[name]), (name, noise)
         np.testing.assert_allclose(
             noise[name], noise[f"one_device_{name}"], rtol=1e-4, err_msg=name
         )
+    # AdaScale scaled the updates (a gain above 1) as on one device.
+    assert noise["adascale_gain"] > 1.0
+    for ours, alone in zip(result["our_weights"], noise["one_device_weights"]):
+        np.testing.assert_allclose(ours, alone, rtol=1e-4, atol=1e-6)

@@ -457,7 +457,7 @@ def test_overlap_weighted_uneven_shards_equal_one_process_global_batch(
             np.testing.assert_array_equal(other[key], chief[key])
 
 
-def test_sync_windows_measures_the_noise_scale_over_every_rank(ranks):
+def test_sync_windows_measures_the_noise_scale_and_adascale_s_gain(ranks):
     # Oracle: the paper's estimates in numpy, every rank's micro-batch a
     # small batch and the window over all ranks the big one.
     from distribution_torch_worker import WORLD_SIZE
@@ -491,12 +491,24 @@ def test_sync_windows_measures_the_noise_scale_over_every_rank(ranks):
         big_batch - small_batch
     )
     trace = (small - big) / (1 / small_batch - 1 / big_batch)
+    # AdaScale's gain of the one window, from the averages (after one
+    # window, its estimates) and the window's weight over every rank.
+    from distribution_torch_worker import NOISE_BASE_BATCH
+
+    base = NOISE_BASE_BATCH
+    gain = (max(trace, 0) / base + max(sq_norm, 0)) / (
+        max(trace, 0) / big_batch + max(sq_norm, 0)
+    )
+    gain = float(np.clip(gain, 1.0, big_batch / base))
+    assert gain > 1.0
     for result in ranks:
         np.testing.assert_allclose(
             [
                 result["noise_window_gradient_sq_norm"],
                 result["noise_window_noise_trace"],
+                result["noise_adascale_gain"],
+                result["noise_scale_invariant_step"],
             ],
-            [sq_norm, trace],
+            [sq_norm, trace, gain, gain],
             rtol=2e-4,
         )

@@ -21,7 +21,8 @@ data and callback points are injected.
 Every optimizer here measures the gradient noise scale (`NOISE`): its
 variables (the window's noise sums, the last window's estimates, their
 moving averages) are among the optimizer's variables a failed step must
-leave as they were.
+leave as they were; so are AdaScale's (the gain, the scale-invariant step)
+of the `MultiOptimizer`'s SGD.
 """
 
 import keras
@@ -149,12 +150,16 @@ def _error_text(error):
 
 def _multi_optimizer():
     """A `MultiOptimizer` of two accumulating optimizers: Adam for the first
-    layer (called first), SGD for the last (its outputs are 2 wide)."""
+    layer (called first), SGD with an AdaScale learning rate for the last
+    (its outputs are 2 wide)."""
     adam = ao.AdamAccumulate(
         learning_rate=0.05, accum_iters=ACCUM_ITERS, **NOISE
     )
     sgd = ao.SGDAccumulate(
-        learning_rate=0.05, momentum=0.9, accum_iters=ACCUM_ITERS, **NOISE
+        learning_rate=ao.schedules.adascale(0.05, base_batch_size=1),
+        momentum=0.9,
+        accum_iters=ACCUM_ITERS,
+        **NOISE,
     )
     return keras.optimizers.MultiOptimizer(
         lambda variable: sgd if variable.shape[-1] == 2 else adam
@@ -231,6 +236,10 @@ def _check_an_error_in_a_micro_step(mode, point, at, request, multi):
     )
     assert fault.raised == 1
     assert _noise_variables(snapshot.state), "the noise scale's variables"
+    if multi:
+        assert [
+            p for p in snapshot.state["optimizer"] if "scale_invariant" in p
+        ]
     assert MESSAGE in _error_text(error), _error_text(error)
     if point == "update" and mode == "eager" and BACKEND != "jax":
         # The close had begun to write: it cannot be undone, and says so.

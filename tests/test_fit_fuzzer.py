@@ -8,7 +8,9 @@ batches ends: its weights, `iterations`, `samples_seen`, `window_loss`,
 `skipped_micro_batches` (`fuzz_runs.py` has the oracle); and where it
 measures the noise scale, its read-outs (and those the logger recorded) are
 those worked out in numpy from the micro-batch gradients at each window's
-starting weights (`fuzz_runs.NoiseOracle`).
+starting weights (`fuzz_runs.NoiseOracle`); with an AdaScale learning
+rate, the oracle's gains from those set the parent's learning rate at each
+window, and the run's gain and scale-invariant step are judged too.
 
 Examples per backend follow `HYPOTHESIS_PROFILE`: a few, derandomized, in
 CI; `HYPOTHESIS_PROFILE=thorough` runs hundreds:
@@ -118,6 +120,10 @@ def runs(draw):
         if run.policy == "float32" and draw(st.booleans()):
             accum = [noise_schedules(micro_batch if weighted else 1)]
     run.accum = draw(st.one_of(*accum))
+    # AdaScale's gain from the oracle's float64 averages sets the parent's
+    # learning rate: only where the run's are the oracle's to float32.
+    if run.noise and run.optimizer == "sgd" and run.policy == "float32":
+        run.adascale = draw(st.booleans())
     if run.sample_weight and draw(st.booleans()):
         run.reduction = "mean_with_sample_weight"
     run.skip = draw(st.booleans())
@@ -485,3 +491,37 @@ def test_bfloat16_with_sample_weights_is_within_the_parent_s_own_round_off(
     )
     initial = initial_weights(run)
     assert_same_run(run, train_ours(run, tmp_path), train_parent(run), initial)
+
+
+def test_adascale_by_the_noise_scale_resumed_from_a_keras_file(tmp_path):
+    # AdaScale where its gain matters: weighted windows sized by the noise
+    # scale, a skipped micro-batch, a `.keras` resume mid-window and a
+    # flush; the parent's learning rate at each window is the oracle's
+    # gain times the base rate.
+    run = Run(
+        optimizer="sgd",
+        accum=(
+            "noise",
+            {
+                "micro_batch_size": 1.0,
+                "floor": 2,
+                "ceiling": 4,
+                "grow_only": True,
+                "warmup_windows": 0,
+            },
+        ),
+        micro_batch=3,
+        samples=26,
+        epochs=1,
+        weighted=True,
+        flush=True,
+        skip=True,
+        bad=(2,),
+        resume="keras",
+        resume_at=4,
+        noise=True,
+        noise_momentum=0.5,
+        adascale=True,
+    )
+    ours, _ = check(run, tmp_path)
+    assert ours["noise"]["adascale_gain"] > 1.0

@@ -115,6 +115,7 @@ def test_weighted_fit_with_a_skip_and_an_empty_share_matches_numpy(measured):
     assert [len(s) for s in result["split"][-1]] == [1, 0]
     windows = result["windows"]
     _assert_windows_match(windows, measured["momentum"], lambda w: w["ours"])
+    _assert_adascale_gains(windows, measured["fit_base_batch"])
     last = windows[-1]
     assert last["ours"]["iterations"] == 3
     assert last["ours"]["skipped_micro_batches"] == 1
@@ -127,6 +128,27 @@ def test_weighted_fit_with_a_skip_and_an_empty_share_matches_numpy(measured):
         sum(w for window in windows for w, _ in window["shares"]),
         rtol=1e-6,
     )
+
+
+def _assert_adascale_gains(windows, base):
+    """Each window's AdaScale gain from its read-out averages and its
+    samples (every replica's share), in numpy; the scale-invariant step
+    their running sum."""
+    tau = 0.0
+    for number, window in enumerate(windows):
+        ours = window["ours"]
+        sq_norm = max(ours["gradient_sq_norm"], 0.0)
+        trace = max(ours["gradient_noise_trace"], 0.0)
+        samples = sum(w for w, _ in window["shares"])
+        gain = (trace / base + sq_norm) / (trace / samples + sq_norm)
+        gain = np.clip(gain, min(1, samples / base), max(1, samples / base))
+        tau += gain
+        np.testing.assert_allclose(
+            [ours["adascale_gain"], ours["scale_invariant_step"]],
+            [gain, tau],
+            rtol=1e-4,
+            err_msg=f"window {number}",
+        )
 
 
 def test_unweighted_custom_loop_counts_each_share_as_a_micro_batch(measured):

@@ -15,6 +15,8 @@ from keras import ops
 
 from accum_optimizers import _backend
 from accum_optimizers._validation import concrete_value
+from accum_optimizers._window import adascale
+from accum_optimizers._window import counts
 from accum_optimizers._window import noise
 
 
@@ -73,6 +75,15 @@ def close_window(optimizer, present=None):
     replicas = _backend.replica_count(optimizer)
     if noise_sums:
         noise.close(optimizer, noise_sums, ops.square(grad_norm), total_weight)
+    if adascale.uses_adascale(optimizer):
+        # The gain from the averages this window entered, before the
+        # parent's update reads the learning rate.
+        adascale.close(
+            optimizer,
+            noise.read(optimizer, "gradient_sq_norm"),
+            noise.read(optimizer, "gradient_noise_trace"),
+            noise.big_batch(optimizer, total_weight),
+        )
     means = backend.mean([window.sums[i] for i in averaged], sums, divisor)
     window.window_loss.assign(ops.divide(loss_sum, divisor))
     grads = dict(zip(averaged, means))
@@ -90,7 +101,11 @@ def close_window(optimizer, present=None):
     samples = total_weight
     if replicas > 1 and optimizer._counts_weights:
         samples = ops.multiply(total_weight, float(replicas))
-    _count_samples(window, samples)
+    counts.add_compensated(
+        window.samples_seen, window.samples_seen_error, samples
+    )
+    if adascale.uses_adascale(optimizer):
+        adascale.advance(optimizer)
     # Between windows the pending weight is 0. Written last: without a
     # write at its end, XLA schedules the close's copies of the sums it
     # only reads beside the update's temporaries (`benchmarks/memory.py`).
@@ -143,23 +158,6 @@ def _updated(seen, summed, present):
     maybe = [i for i in summed if i not in present]
     masks = {i: ops.greater(seen[i], 0) for i in maybe}
     return sorted(set(present) | set(maybe)), masks
-
-
-def _count_samples(window, weight):
-    """`samples_seen += weight`, compensated (Knuth's two-sum): the pair's
-    sum stays exact where a float32 total would drop tokens once it passes
-    2**24."""
-    total = window.samples_seen.value
-    added = ops.add(total, weight)
-    kept = ops.subtract(added, total)
-    lost = ops.add(
-        ops.subtract(total, ops.subtract(added, kept)),
-        ops.subtract(weight, kept),
-    )
-    window.samples_seen.assign(added)
-    window.samples_seen_error.assign(
-        ops.add(window.samples_seen_error.value, lost)
-    )
 
 
 def _global_norm(backend, tensors):

@@ -84,3 +84,18 @@ def regroup_window(optimizer, micro_steps):
             where the window holds no micro-batch.
     """
     optimizer._window.micro_steps.assign(np.array(micro_steps, "int32"))
+
+
+def add_compensated(total, error, added):
+    """`total += added` for a float32 pair of variables whose sum stays
+    exact (Knuth's two-sum, the lost low bits kept in `error`), where a
+    float32 total stops counting small additions past 2**24."""
+    before = total.value
+    after = ops.add(before, added)
+    kept = ops.subtract(after, before)
+    lost = ops.add(
+        ops.subtract(before, ops.subtract(after, kept)),
+        ops.subtract(added, kept),
+    )
+    total.assign(after)
+    error.assign(ops.add(error.value, lost))

@@ -34,13 +34,8 @@ def close(optimizer, sums, big_sq_norm, total_weight):
     gradient and its total weight (over replicas, divided by their
     count)."""
     window = optimizer._window
-    batch_big = ops.cast(total_weight, "float32")
-    replicas = _backend.replica_count(optimizer)
-    if replicas > 1:
-        # The replicas' shares' total weight: `B_big`.
-        batch_big = ops.multiply(batch_big, float(replicas))
     gradient_sq_norm, trace, valid = _window_estimates(
-        *sums, big_sq_norm, batch_big
+        *sums, big_sq_norm, big_batch(optimizer, total_weight)
     )
     nan = ops.convert_to_tensor(float("nan"), "float32")
     window.window_gradient_sq_norm.assign(
@@ -69,6 +64,17 @@ def close(optimizer, sums, big_sq_norm, total_weight):
     window.largest_noise_scale.assign(
         ops.where(counted, ops.maximum(largest, noise_scale), largest)
     )
+
+
+def big_batch(optimizer, total_weight):
+    """`B_big`, the window's weight in the noise scale's unit, from its
+    total weight (over replicas, divided by their count): the replicas'
+    shares' total weight."""
+    batch_big = ops.cast(total_weight, "float32")
+    replicas = _backend.replica_count(optimizer)
+    if replicas > 1:
+        batch_big = ops.multiply(batch_big, float(replicas))
+    return batch_big
 
 
 def ready(optimizer, weight):

@@ -88,9 +88,21 @@ def restore(optimizer, values):
                 variable.assign(np.zeros((), "int32"))
             elif spec.lasting:
                 variable.assign(lasting[spec.name])
+    if optimizer._window.scale_invariant_step is not None and (
+        len(values) != layout.total
+    ):
+        _start_adascale_at(optimizer._window, parent[0])
     # The saved run's refused micro-batches were its `fit`'s to report.
     skipped = concrete_value(optimizer._window.skipped.value)
     optimizer._refused_reported = int(skipped or 0)
+
+
+def _start_adascale_at(window, updates):
+    """A state saved without AdaScale's variables: each update it applied
+    was one step of the base schedule."""
+    window.scale_invariant_step.assign(np.asarray(updates, "float32"))
+    window.scale_invariant_step_error.assign(np.zeros((), "float32"))
+    window.adascale_gain.assign(np.zeros((), "float32"))
 
 
 def _saved_window_size(optimizer, parent, window):

@@ -39,6 +39,8 @@ class WindowVariable:
         noise_scale: whether only optimizers that measure the gradient
             noise scale carry it, so that every other optimizer's state
             (and saved layout) is unchanged.
+        adascale: whether only optimizers whose learning rate is an
+            AdaScale one (`schedules.adascale`) carry it.
     """
 
     name: str
@@ -47,6 +49,7 @@ class WindowVariable:
     aggregation: str = "only_first_replica"
     lasting: bool = False
     noise_scale: bool = False
+    adascale: bool = False
 
     def shape(self, variable_count):
         return (variable_count,) if self.per_variable else ()
@@ -91,17 +94,24 @@ WINDOW_STATE = (
     _V("noise_trace_average", "float32", lasting=True, noise_scale=True),
     _V("noise_average_weight", "float32", lasting=True, noise_scale=True),
     _V("largest_noise_scale", "float32", lasting=True, noise_scale=True),
+    # AdaScale (`adascale.py`): the gain of the last update, and the
+    # scale-invariant step as a compensated pair.
+    _V("adascale_gain", "float32", lasting=True, adascale=True),
+    _V("scale_invariant_step", "float32", lasting=True, adascale=True),
+    _V("scale_invariant_step_error", "float32", lasting=True, adascale=True),
 )
 del _V
 
 
-def window_state(measure_noise_scale):
+def window_state(measure_noise_scale, adascale=False):
     """The window variables an optimizer carries, in order: all of
-    `WINDOW_STATE`, less the noise scale's unless it measures it."""
+    `WINDOW_STATE`, less the noise scale's unless it measures it and
+    AdaScale's unless its learning rate is one."""
     return tuple(
         variable
         for variable in WINDOW_STATE
-        if measure_noise_scale or not variable.noise_scale
+        if (measure_noise_scale or not variable.noise_scale)
+        and (adascale or not variable.adascale)
     )
 
 
@@ -130,6 +140,9 @@ class Window:
     noise_trace_average: object = None
     noise_average_weight: object = None
     largest_noise_scale: object = None
+    adascale_gain: object = None
+    scale_invariant_step: object = None
+    scale_invariant_step_error: object = None
 
     @property
     def measures_noise(self):

@@ -335,4 +335,11 @@ def model_optimizer(model, optimizer=None):
             "which cannot key a learning rate on samples (`by_samples`). "
             f"Received: learning_rate={learning_rate!r}"
         )
+    if isinstance(learning_rate, schedules.AdaScaleLearningRate):
+        raise ValueError(
+            "check_exactness compares with the parent Keras optimizer at a "
+            "fixed learning rate; AdaScale scales it by each window's "
+            "gain. Check the model with the base learning rate instead. "
+            f"Received: learning_rate={learning_rate!r}"
+        )
     return optimizer

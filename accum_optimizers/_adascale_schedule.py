@@ -1,0 +1,135 @@
+"""AdaScale: a learning rate that scales with the window (Johnson et al.,
+"AdaScale SGD: A User-Friendly Algorithm for Distributed Training", ICML
+2020), from the gradient noise scale the window measures.
+
+With the window `S` times a base batch of `b` samples, the gain
+
+    r = (tr(Sigma) / b + |G|^2) / (tr(Sigma) / (S b) + |G|^2)
+
+lies in `[1, S]`: `S` where the noise dominates (a batch `S` times
+bigger is worth `S` steps), `1` where the gradient does. Each update uses
+`r` times the base learning rate at the scale-invariant step `tau`, and
+advances `tau` by `r`: a run at scale `S` follows the base run's progress
+per sample with up to `S` times fewer updates. `_window/adascale.py`
+computes `r` at each window's close.
+"""
+
+import keras
+from keras import ops
+from keras.optimizers.schedules import LearningRateSchedule
+from keras.saving import register_keras_serializable
+
+from accum_optimizers._validation import is_real_number
+from accum_optimizers._validation import plain_number
+
+_PACKAGE = "accum_optimizers"
+
+
+def adascale(learning_rate, base_batch_size):
+    """Scales `learning_rate` with the window, by AdaScale's gain.
+
+    Pass it as the `learning_rate` of `SGDAccumulate(...,
+    measure_noise_scale=True)`. Each update uses `r * learning_rate(tau)`,
+    with `r` in `[1, S]` the gain of a window `S = window weight /
+    base_batch_size` times the base batch (from the noise scale's moving
+    averages, `1` before the first estimate) and `tau` the scale-invariant
+    step, which advances by `r` per update (`optimizer.adascale_gain`,
+    `optimizer.scale_invariant_step`). Stop training when `tau` reaches
+    the base schedule's end.
+
+    Args:
+        learning_rate: the base run's learning rate: a float, or a
+            `keras.optimizers.schedules.LearningRateSchedule` keyed on the
+            base run's updates (it is called with `tau`, a float32).
+        base_batch_size: Number > 0. The base run's batch, in the noise
+            scale's unit: its samples (or tokens) when windows are
+            weighted (`weigh_micro_batches`, `apply(..., weight=n)`), its
+            micro-batches (`1` for one) when they are not.
+
+    Returns:
+        An `AdaScaleLearningRate`.
+    """
+    return AdaScaleLearningRate(learning_rate, base_batch_size)
+
+
+def is_adascale(learning_rate):
+    """Whether `learning_rate` (an optimizer's) is an AdaScale one."""
+    return isinstance(learning_rate, AdaScaleLearningRate)
+
+
+@register_keras_serializable(package=_PACKAGE)
+class AdaScaleLearningRate(LearningRateSchedule):
+    """The AdaScale learning rate (`adascale`).
+
+    An accumulating optimizer evaluates it at its scale-invariant step with
+    its gain; any other optimizer would call it with its update count, so
+    calling it raises.
+
+    Args:
+        learning_rate: a float, or a `LearningRateSchedule`.
+        base_batch_size: Number > 0, see `adascale`.
+    """
+
+    def __init__(self, learning_rate, base_batch_size):
+        if isinstance(learning_rate, dict):
+            learning_rate = keras.saving.deserialize_keras_object(learning_rate)
+        # (A `by_samples` schedule is evaluated `at_samples`.)
+        if isinstance(learning_rate, AdaScaleLearningRate) or hasattr(
+            learning_rate, "at_samples"
+        ):
+            raise TypeError(
+                "`learning_rate` must be a float or a `keras.optimizers."
+                "schedules.LearningRateSchedule` keyed on updates: AdaScale "
+                "calls it with its scale-invariant step. Received: "
+                f"learning_rate={learning_rate!r}"
+            )
+        if not isinstance(learning_rate, LearningRateSchedule):
+            if not is_real_number(learning_rate) or not (
+                0 <= learning_rate < float("inf")
+            ):
+                raise ValueError(
+                    "`learning_rate` must be a finite number >= 0 or a "
+                    "`LearningRateSchedule`. Received: "
+                    f"learning_rate={learning_rate!r}"
+                )
+            learning_rate = plain_number(learning_rate)
+        if not is_real_number(base_batch_size) or not (
+            0 < base_batch_size < float("inf")
+        ):
+            raise ValueError(
+                "`base_batch_size` must be a finite number > 0. Received: "
+                f"base_batch_size={base_batch_size!r}"
+            )
+        self.learning_rate = learning_rate
+        self.base_batch_size = plain_number(base_batch_size)
+
+    def __call__(self, step):
+        raise TypeError(
+            "adascale(...) scales the learning rate by the gain of an "
+            "accumulating optimizer's window; pass it as the "
+            "`learning_rate` of an `accum_optimizers` optimizer with "
+            "`measure_noise_scale=True`, not of a plain Keras optimizer."
+        )
+
+    def at(self, scale_invariant_step, gain):
+        """`gain` times the base learning rate at `scale_invariant_step`
+        (float32 scalars)."""
+        base = self.learning_rate
+        if isinstance(base, LearningRateSchedule):
+            base = base(scale_invariant_step)
+        return ops.multiply(ops.cast(base, "float32"), gain)
+
+    def get_config(self):
+        learning_rate = self.learning_rate
+        if isinstance(learning_rate, LearningRateSchedule):
+            learning_rate = keras.saving.serialize_keras_object(learning_rate)
+        return {
+            "learning_rate": learning_rate,
+            "base_batch_size": self.base_batch_size,
+        }
+
+    def __repr__(self):
+        return (
+            f"adascale({self.learning_rate!r}, "
+            f"base_batch_size={self.base_batch_size!r})"
+        )

@@ -1,0 +1,139 @@
+"""AdaScale at the window's close: the gain `r` of the window about to be
+applied, and the scale-invariant step it advances (see
+`_adascale_schedule.py` for the rule).
+
+The gain is taken from the noise scale's moving averages of `|G|^2` and
+`tr(Sigma)`, not from the window's own estimates: one window's estimates
+are unbiased but noisy (its `|G|^2` is often negative), and a ratio of
+noisy estimates is biased; AdaScale's authors average theirs the same way.
+"""
+
+import keras
+from keras import ops
+
+from accum_optimizers._adascale_schedule import is_adascale
+from accum_optimizers._window import counts
+
+
+def uses_adascale(optimizer):
+    """Whether `optimizer`'s learning rate is an AdaScale one."""
+    return is_adascale(getattr(optimizer, "_learning_rate", None))
+
+
+def check(optimizer):
+    """Raises where `optimizer` cannot take its AdaScale learning rate:
+    the gain is derived for SGD (with or without momentum), and the
+    adaptive optimizers' per-coordinate steps are not scaled by it."""
+    if not uses_adascale(optimizer):
+        return
+    if not isinstance(optimizer, keras.optimizers.SGD):
+        raise ValueError(
+            "`learning_rate=adascale(...)` takes an SGD optimizer "
+            "(`SGDAccumulate`): AdaScale's gain is derived for SGD with "
+            "or without momentum, and measured only for it. Received: "
+            f"{type(optimizer).__name__}(learning_rate="
+            f"{optimizer._learning_rate!r})"
+        )
+
+
+def check_measured(optimizer, measure):
+    """Raises where `optimizer` has an AdaScale learning rate and
+    `measure` (`measure_noise_scale`) is false."""
+    if not measure and uses_adascale(optimizer):
+        raise ValueError(
+            "`learning_rate=adascale(...)` scales the learning rate by the "
+            "measured noise scale: pass `measure_noise_scale=True` too. "
+            f"Received: learning_rate={optimizer._learning_rate!r}, "
+            f"measure_noise_scale={measure!r}"
+        )
+
+
+def read(optimizer, what):
+    """`adascale_gain` or `scale_invariant_step` as a float32 scalar, NaN
+    without an AdaScale learning rate, `0` before the optimizer is
+    built."""
+    nan = ops.convert_to_tensor(float("nan"), "float32")
+    if not uses_adascale(optimizer):
+        return nan
+    window = optimizer._window
+    if window is None:
+        return ops.zeros((), "float32")
+    if window.adascale_gain is None:
+        return nan
+    if what == "adascale_gain":
+        return ops.convert_to_tensor(window.adascale_gain)
+    return scale_invariant_step(optimizer)
+
+
+def gain(sq_norm, trace, window_weight, base_batch_size):
+    """AdaScale's gain `r` for a window of `window_weight` (float32
+    scalars; `sq_norm` and `trace` the averages of `|G|^2` and
+    `tr(Sigma)`, NaN before the first estimate), clipped to lie between
+    1 and `S = window_weight / base_batch_size`; `1` without an estimate.
+
+    A negative average counts 0: `|G|^2 <= 0` is the noise dominating
+    (`r = S`), `tr(Sigma) <= 0` the gradient (`r = 1`)."""
+    scale = ops.divide(window_weight, float(base_batch_size))
+    sq_norm = ops.maximum(sq_norm, 0.0)
+    trace = ops.maximum(trace, 0.0)
+    numerator = ops.add(ops.divide(trace, float(base_batch_size)), sq_norm)
+    denominator = ops.add(ops.divide(trace, window_weight), sq_norm)
+    known = ops.logical_and(
+        ops.greater(denominator, 0.0), ops.isfinite(numerator)
+    )
+    ratio = ops.divide(numerator, ops.where(known, denominator, 1.0))
+    ratio = ops.where(known, ratio, 1.0)
+    return ops.clip(ratio, ops.minimum(scale, 1.0), ops.maximum(scale, 1.0))
+
+
+def close(optimizer, sq_norm, trace, window_weight):
+    """Writes the gain of the window being applied (its weight in the
+    noise scale's unit, `window_weight`) from the averages (`noise.read`),
+    before the parent's update reads the learning rate."""
+    window = optimizer._window
+    schedule = optimizer._learning_rate
+    window.adascale_gain.assign(
+        gain(sq_norm, trace, window_weight, schedule.base_batch_size)
+    )
+
+
+def advance(optimizer):
+    """`scale_invariant_step += gain`, after the update: a compensated
+    pair, as `samples_seen`."""
+    window = optimizer._window
+    counts.add_compensated(
+        window.scale_invariant_step,
+        window.scale_invariant_step_error,
+        window.adascale_gain.value,
+    )
+
+
+def learning_rate(optimizer):
+    """The learning rate of the update being applied: the gain times the
+    base rate at the scale-invariant step (between windows, the last
+    gain's, `1` before the first update)."""
+    window = optimizer._window
+    if window is None:
+        step, last_gain = ops.zeros((), "float32"), 1.0
+    elif window.adascale_gain is None:
+        raise ValueError(
+            f"'{optimizer.name}' was built without AdaScale's state: pass "
+            "`learning_rate=adascale(...)` when making the optimizer, not "
+            "after it was built."
+        )
+    else:
+        step = scale_invariant_step(optimizer)
+        last_gain = window.adascale_gain.value
+        last_gain = ops.where(ops.greater(last_gain, 0.0), last_gain, 1.0)
+    return optimizer._learning_rate.at(step, last_gain)
+
+
+def scale_invariant_step(optimizer):
+    """`tau`, the base schedule's progress, as one float32 scalar."""
+    window = optimizer._window
+    if window is None:
+        return ops.zeros((), "float32")
+    return ops.add(
+        window.scale_invariant_step.value,
+        window.scale_invariant_step_error.value,
+    )

@@ -1,0 +1,370 @@
+"""AdaScale's learning rate (`schedules.adascale`).
+
+Oracles: the gain and the update recomputed in numpy, for every update,
+from the window's micro-batch gradients and the noise scale's read-out
+averages; the parent SGD on the big batch where the window is the base
+batch (`S = 1`); the gain of a linear regression's population, from its
+per-sample gradients in numpy, where the noise or the gradient dominates;
+an uninterrupted run for a resume.
+"""
+
+import keras
+import numpy as np
+import pytest
+from helpers import fit_in_order
+from helpers import fit_interrupted
+from helpers import regression_data
+from helpers import small_model
+from helpers import to_numpy
+
+from accum_optimizers import AccumulationLogger
+from accum_optimizers import AdamAccumulate
+from accum_optimizers import SGDAccumulate
+from accum_optimizers import schedules
+from accum_optimizers import weigh_micro_batches
+
+SHAPES = ((3, 5), (5,))
+
+
+def _gain(sq_norm, trace, window_weight, base):
+    """AdaScale's gain in float64, as Johnson et al. (2020) define it,
+    clipped to `[1, S]`."""
+    scale = window_weight / base
+    sq_norm, trace = max(sq_norm, 0.0), max(trace, 0.0)
+    gain = (trace / base + sq_norm) / (trace / window_weight + sq_norm)
+    return float(np.clip(gain, min(1.0, scale), max(1.0, scale)))
+
+
+def _value(tensor):
+    return float(to_numpy(tensor))
+
+
+def test_each_update_uses_the_gain_times_the_base_rate_at_tau():
+    """A custom loop of weighted micro-batches (windows of 3, SGD without
+    momentum, an exponentially decaying base rate): each update moves the
+    weights by `base(tau) * r` times the window's weighted mean gradient,
+    with `r` recomputed from the averages the optimizer reports and `tau`
+    the sum of the earlier gains."""
+    rng = np.random.default_rng(0)
+    variables = [
+        keras.Variable(rng.normal(size=s).astype("float32")) for s in SHAPES
+    ]
+    base = keras.optimizers.schedules.ExponentialDecay(0.1, 3, 0.5)
+    base_batch = 4.0
+    optimizer = SGDAccumulate(
+        learning_rate=schedules.adascale(base, base_batch_size=base_batch),
+        accum_iters=3,
+        measure_noise_scale=True,
+        noise_scale_momentum=0.5,
+    )
+    optimizer.build(variables)
+    weights = [to_numpy(v).astype("float64") for v in variables]
+    mean = [0.3 * rng.normal(size=s) for s in SHAPES]
+    tau, gains = 0.0, []
+    for _ in range(6):
+        window, counts = [], rng.choice([2.0, 4.0, 7.0], size=3)
+        for n in counts:
+            grads = [m + rng.normal(size=m.shape) / np.sqrt(n) for m in mean]
+            window.append(grads)
+            optimizer.apply(
+                [keras.ops.convert_to_tensor(g, "float32") for g in grads],
+                variables,
+                weight=float(n),
+            )
+        expected_gain = _gain(
+            _value(optimizer.gradient_sq_norm),
+            _value(optimizer.gradient_noise_trace),
+            counts.sum(),
+            base_batch,
+        )
+        np.testing.assert_allclose(
+            _value(optimizer.adascale_gain), expected_gain, rtol=1e-5
+        )
+        rate = float(to_numpy(base(tau))) * expected_gain
+        for i, w in enumerate(weights):
+            window_mean = np.average([g[i] for g in window], 0, counts)
+            weights[i] = w - rate * window_mean
+        for variable, w in zip(variables, weights):
+            np.testing.assert_allclose(to_numpy(variable), w, rtol=2e-5)
+        tau += expected_gain
+        gains.append(expected_gain)
+        np.testing.assert_allclose(
+            _value(optimizer.scale_invariant_step), tau, rtol=1e-6
+        )
+    # The windows weigh 6 to 21 base batches: the noise makes them count.
+    assert max(gains) > 1.5
+
+
+def _big_batch_run(make_optimizer, batch, x, y):
+    model = small_model(0)
+    model.compile(optimizer=make_optimizer(), loss="mse")
+    return fit_in_order(model, x, y, batch_size=batch, epochs=2)
+
+
+@pytest.mark.parametrize("accum_iters", [1, 4])
+def test_a_window_of_the_base_batch_equals_the_base_run(accum_iters):
+    """`S = 1` (the window weighs one base batch): every gain is 1, and the
+    run equals the parent SGD (momentum 0.9) with the base schedule on the
+    same batches."""
+    x, y = regression_data(0, 96)
+    micro = 6
+    base = keras.optimizers.schedules.ExponentialDecay(0.05, 5, 0.7)
+    model = small_model(0)
+    optimizer = SGDAccumulate(
+        learning_rate=schedules.adascale(
+            base, base_batch_size=micro * accum_iters
+        ),
+        momentum=0.9,
+        accum_iters=accum_iters,
+        measure_noise_scale=True,
+    )
+    model.compile(optimizer=optimizer, loss="mse")
+    ours = fit_in_order(model, x, y, weigh=True, batch_size=micro, epochs=2)
+    parent = _big_batch_run(
+        lambda: keras.optimizers.SGD(learning_rate=base, momentum=0.9),
+        micro * accum_iters,
+        x,
+        y,
+    )
+    assert _value(optimizer.adascale_gain) == 1.0
+    updates = 2 * len(x) // (micro * accum_iters)
+    assert _value(optimizer.scale_invariant_step) == updates
+    for a, b in zip(ours.get_weights(), parent.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def _population(seed, offset, noise, samples=256, features=4):
+    """A linear regression, weights `offset` from the truth, targets with
+    `noise`: data and the population's `|G|^2` and `tr(Sigma)` of the
+    squared error's per-sample gradients at those weights (numpy)."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(samples, features))
+    truth = rng.normal(size=features)
+    y = x @ truth + noise * rng.normal(size=samples)
+    kernel = truth + offset * rng.normal(size=features)
+    residual = x @ kernel - y
+    per_sample = 2 * residual[:, None] * x
+    mean = per_sample.mean(0)
+    trace = ((per_sample - mean) ** 2).sum(1).mean()
+    return x, y, kernel, (mean**2).sum(), trace
+
+
+@pytest.mark.parametrize(
+    "offset, noise, batch, regime",
+    [(0.02, 2.0, 4, "noise"), (3.0, 0.01, 64, "gradient")],
+)
+def test_the_gain_tends_to_s_or_to_1_as_the_population_says(
+    offset, noise, batch, regime
+):
+    """At fixed weights (base rate 0), windows of 8 micro-batches of
+    `batch` samples against a base batch of `batch` (`S = 8`): the gain
+    comes within 10% of the population's; it is near `S` where
+    `tr(Sigma) / (S b)` dwarfs `|G|^2` (weights near the optimum of noisy
+    targets), near 1 where `|G|^2` dwarfs `tr(Sigma) / b` (far from it,
+    with a base batch well above the noise scale)."""
+    x, y, kernel, sq_norm, trace = _population(0, offset, noise)
+    windows, k = (300 if regime == "noise" else 60), 8
+    draws = np.random.default_rng(1).integers(0, len(x), windows * k * batch)
+    model = keras.Sequential(
+        [
+            keras.Input((x.shape[1],)),
+            keras.layers.Dense(1, use_bias=False),
+        ]
+    )
+    model.set_weights([kernel[:, None].astype("float32")])
+    optimizer = SGDAccumulate(
+        learning_rate=schedules.adascale(0.0, base_batch_size=batch),
+        accum_iters=k,
+        measure_noise_scale=True,
+        noise_scale_momentum=0.99,
+    )
+    model.compile(optimizer=optimizer, loss="mse")
+    weigh_micro_batches(model)
+    model.fit(
+        x[draws].astype("float32"),
+        y[draws, None].astype("float32"),
+        batch_size=batch,
+        shuffle=False,
+        verbose=0,
+    )
+    expected = _gain(sq_norm, trace, k * batch, batch)
+    if regime == "noise":
+        assert expected > 0.9 * k
+    else:
+        assert expected < 1.1
+    np.testing.assert_allclose(
+        _value(optimizer.adascale_gain), expected, rtol=0.1
+    )
+
+
+def _adascale_sgd():
+    model = small_model(3)
+    model.compile(
+        optimizer=SGDAccumulate(
+            learning_rate=schedules.adascale(
+                keras.optimizers.schedules.CosineDecay(0.05, 40),
+                base_batch_size=4,
+            ),
+            momentum=0.9,
+            accum_iters=schedules.by_noise_scale(4, floor=2, ceiling=6),
+            measure_noise_scale=True,
+            noise_scale_momentum=0.8,
+        ),
+        loss="mse",
+    )
+    weigh_micro_batches(model)
+    return model
+
+
+def test_a_keras_file_saved_mid_window_resumes_exactly(tmp_path):
+    """The scale-invariant step and the gain are saved state: a run saved
+    mid-window to a `.keras` file and resumed ends as the uninterrupted
+    run, `tau` included."""
+    x, y = regression_data(4, 200)
+    split = 4 * 21  # 21 micro-batches: mid-window
+    whole, first = fit_interrupted(_adascale_sgd, x, y, split, 4)
+    path = tmp_path / "model.keras"
+    first.save(path)
+    resumed = keras.models.load_model(path)
+    weigh_micro_batches(resumed)
+    fit_in_order(resumed, x[split:], y[split:], batch_size=4)
+    assert _value(whole.optimizer.scale_invariant_step) > int(
+        to_numpy(whole.optimizer.iterations)
+    )
+    for what in ("scale_invariant_step", "adascale_gain"):
+        np.testing.assert_allclose(
+            _value(getattr(resumed.optimizer, what)),
+            _value(getattr(whole.optimizer, what)),
+            rtol=1e-6,
+        )
+    for a, b in zip(resumed.get_weights(), whole.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_a_state_saved_without_adascale_continues_the_base_schedule():
+    """The parent SGD's state (no window) loaded into an AdaScale
+    optimizer: each update it applied was one base step."""
+    variables = [keras.Variable(np.ones(s, "float32")) for s in SHAPES]
+    base = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)
+    parent = keras.optimizers.SGD(learning_rate=base, momentum=0.9)
+    parent.build(variables)
+    for _ in range(5):
+        parent.apply([keras.ops.ones(s) for s in SHAPES], variables)
+    store = {}
+    parent.save_own_variables(store)
+    optimizer = SGDAccumulate(
+        learning_rate=schedules.adascale(base, base_batch_size=1),
+        momentum=0.9,
+        accum_iters=2,
+        measure_noise_scale=True,
+    )
+    optimizer.build(variables)
+    optimizer.load_own_variables(store)
+    assert _value(optimizer.scale_invariant_step) == 5.0
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (
+            lambda: AdamAccumulate(
+                learning_rate=schedules.adascale(1e-3, 8),
+                measure_noise_scale=True,
+            ),
+            ValueError,
+            "takes an SGD optimizer.*AdamAccumulate",
+        ),
+        (
+            lambda: SGDAccumulate(learning_rate=schedules.adascale(0.1, 8)),
+            ValueError,
+            "measure_noise_scale=False",
+        ),
+        (
+            lambda: schedules.adascale(0.1, base_batch_size=0),
+            ValueError,
+            "base_batch_size=0",
+        ),
+        (
+            lambda: schedules.adascale(float("nan"), base_batch_size=8),
+            ValueError,
+            "learning_rate=nan",
+        ),
+        (
+            lambda: schedules.adascale(
+                schedules.by_samples(
+                    keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)
+                ),
+                base_batch_size=8,
+            ),
+            TypeError,
+            "keyed on updates",
+        ),
+        (
+            lambda: keras.optimizers.SGD(schedules.adascale(0.1, 8)).apply(
+                [keras.ops.ones((2,))], [keras.Variable(np.ones(2))]
+            ),
+            TypeError,
+            "not of a plain Keras optimizer",
+        ),
+    ],
+)
+def test_what_it_refuses_is_named(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_it_cannot_stop_measuring_and_round_trips_its_config():
+    optimizer = SGDAccumulate(
+        learning_rate=schedules.adascale(
+            keras.optimizers.schedules.CosineDecay(0.1, 100), 16
+        ),
+        accum_iters=4,
+        measure_noise_scale=True,
+    )
+    with pytest.raises(ValueError, match="measure_noise_scale=False"):
+        optimizer.measure_noise_scale = False
+    config = keras.optimizers.serialize(optimizer)
+    again = keras.optimizers.deserialize(config)
+    learning_rate = again._learning_rate
+    assert isinstance(learning_rate, schedules.AdaScaleLearningRate)
+    assert learning_rate.base_batch_size == 16
+    assert learning_rate.get_config() == optimizer._learning_rate.get_config()
+
+
+def test_the_logger_reads_out_the_gain_and_tau(tmp_path):
+    """`AccumulationLogger` adds both to `fit`'s logs, `History`, its
+    per-update record and TensorBoard (step = applied updates); `tau` is
+    the running sum of the recorded gains."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing import event_accumulator
+    from tensorboard.util import tensor_util
+
+    x, y = regression_data(4, 48)
+    model = _adascale_sgd()
+    logger = AccumulationLogger(log_dir=tmp_path, update_freq="batch")
+    history = model.fit(
+        x,
+        y,
+        batch_size=4,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[logger],
+    )
+    optimizer = model.optimizer
+    tau = _value(optimizer.scale_invariant_step)
+    assert history.history["scale_invariant_step"][-1] == tau
+    gains = logger.windows["adascale_gain"]
+    assert len(gains) == int(to_numpy(optimizer.iterations))
+    np.testing.assert_allclose(
+        np.cumsum(gains), logger.windows["scale_invariant_step"], rtol=1e-5
+    )
+    accumulator = event_accumulator.EventAccumulator(
+        str(tmp_path / "train"), size_guidance={event_accumulator.TENSORS: 0}
+    )
+    accumulator.Reload()
+    written = [
+        float(tensor_util.make_ndarray(e.tensor_proto))
+        for e in accumulator.Tensors("accumulation/scale_invariant_step")
+    ]
+    assert written[-1] == pytest.approx(tau)
