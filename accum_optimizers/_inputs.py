@@ -23,6 +23,7 @@ recorded here too, by `_keras_private`'s wrapper of
 import contextlib
 import dataclasses
 import threading
+import weakref
 from typing import Any
 
 _local = threading.local()
@@ -58,11 +59,13 @@ class Handoff:
 @dataclasses.dataclass(eq=False)
 class Pending:
     """What an optimizer's next `apply` takes: `handoff` (a `Handoff` or
-    `None`), `loss` and `finite` (`None` where none was put)."""
+    `None`), `loss` and `finite` (`None` where none was put); `owner`, a
+    weak reference to the optimizer it was put for."""
 
     handoff: Any = None
     loss: Any = None
     finite: Any = None
+    owner: Any = None
 
 
 def _pending():
@@ -73,8 +76,21 @@ def _pending():
     return pending
 
 
+def _own(entry, optimizer):
+    """`entry` where it was put for `optimizer`, else `None`: an entry left
+    by an optimizer since collected must not reach a new one that Python
+    gave the same `id`."""
+    if entry is None or entry.owner() is not optimizer:
+        return None
+    return entry
+
+
 def _entry(optimizer):
-    return _pending().setdefault(id(optimizer), Pending())
+    pending = _pending()
+    entry = _own(pending.get(id(optimizer)), optimizer)
+    if entry is None:
+        entry = pending[id(optimizer)] = Pending(owner=weakref.ref(optimizer))
+    return entry
 
 
 def hand_over(optimizer, handoff):
@@ -95,19 +111,19 @@ def put_finite(optimizer, finite):
 
 def handoff_of(optimizer):
     """The `Handoff` set for `optimizer`'s next `apply`, left in place."""
-    entry = _pending().get(id(optimizer))
+    entry = _own(_pending().get(id(optimizer)), optimizer)
     return None if entry is None else entry.handoff
 
 
 def peek(optimizer):
     """What was put for `optimizer`'s next `apply`, left in place: a
     `Pending`."""
-    return _pending().get(id(optimizer)) or Pending()
+    return _own(_pending().get(id(optimizer)), optimizer) or Pending()
 
 
 def take(optimizer):
     """What was put for `optimizer`'s next `apply`, removed: a `Pending`."""
-    return _pending().pop(id(optimizer), None) or Pending()
+    return _own(_pending().pop(id(optimizer), None), optimizer) or Pending()
 
 
 def discard(optimizer):

@@ -120,10 +120,12 @@ def runs(draw):
         if run.policy == "float32" and draw(st.booleans()):
             accum = [noise_schedules(micro_batch if weighted else 1)]
     run.accum = draw(st.one_of(*accum))
-    # AdaScale's gain from the oracle's float64 averages sets the parent's
-    # learning rate: only where the run's are the oracle's to float32.
-    if run.noise and run.optimizer == "sgd" and run.policy == "float32":
-        run.adascale = draw(st.booleans())
+    # AdaScale (for SGD): the oracle's gains from its float64 averages set
+    # the parent's learning rate, only where the run's averages are the
+    # oracle's to float32 round-off.
+    if run.noise and run.policy == "float32" and draw(st.booleans()):
+        run.optimizer = "sgd"
+        run.adascale = True
     if run.sample_weight and draw(st.booleans()):
         run.reduction = "mean_with_sample_weight"
     run.skip = draw(st.booleans())

@@ -502,3 +502,23 @@ def test_a_window_loaded_into_accum_iters_1_warns_of_the_counts_it_restarts():
         loaded.load_own_variables(store)
     assert int(to_numpy(loaded.iterations)) == 2
     assert float(to_numpy(loaded.samples_seen)) == 2.0
+
+
+def test_a_weight_left_for_a_collected_optimizer_reaches_no_other():
+    """What `weigh_micro_batches` or a wrapper hands an optimizer's next
+    `apply` is kept by the optimizer's `id`; Python gives a collected
+    object's `id` to new ones. An entry left by an optimizer that is gone
+    (its `id` now another's) is not taken by the new one: its window
+    counts what its own micro-batches weigh."""
+    from accum_optimizers import _inputs
+
+    gone = SGDAccumulate(accum_iters=2)
+    _inputs.hand_over(gone, _inputs.Handoff(weight=5.5))
+    entry = _inputs._pending().pop(id(gone))
+    optimizer = SGDAccumulate(learning_rate=0.1, accum_iters=2)
+    _inputs._pending()[id(optimizer)] = entry  # as if `id` were reused
+    variables = [keras.Variable(np.ones(2, "float32"))]
+    for _ in range(2):
+        optimizer.apply([keras.ops.ones(2)], variables)
+    assert float(to_numpy(optimizer.samples_seen)) == 2.0
+    assert id(optimizer) not in _inputs._pending()
