@@ -230,3 +230,43 @@ def test_gpu_check_fails_a_backend_without_gpu_unless_smoke():
         assert gpu_check.succeeded(results, args) == smoke
     failed = {"jax": {"device": {"status": "failed"}}}
     assert not gpu_check.succeeded(failed, args)
+
+
+@pytest.mark.backends("jax")
+def test_time_to_accuracy_smoke_prints_a_row_per_configuration():
+    # Two epochs of a subset of both tasks, one seed; no accuracy is judged.
+    pytest.importorskip("mnist1d")
+    from benchmarks import time_to_accuracy
+
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.time_to_accuracy", "--smoke"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for task in ("digits", "mnist1d"):
+        for config in time_to_accuracy.CONFIGS:
+            assert f"| {task} | {config} | " in result.stdout, (task, config)
+
+
+@pytest.mark.backends("tensorflow", "torch")
+def test_launches_counts_every_configuration():
+    # A count, not a time: the window's first calls launch fewer operators
+    # than the one that closes it (its update), for ours and Keras' alike.
+    from benchmarks import launches
+
+    if keras.backend.backend() == "torch":
+        counts = {
+            n: launches.torch_counts(m) for n, m in launches.CONFIGS.items()
+        }
+        for name in ("keras_builtin_k4", "ours_k4"):
+            assert counts[name]["call 1"] < counts[name]["call 4"], counts
+    else:
+        counts = {
+            n: launches.tensorflow_counts(m)
+            for n, m in launches.CONFIGS.items()
+        }
+        assert counts["keras_builtin_k4"]["If"] == 1, counts
+        assert counts["parent"]["If"] == 0, counts
