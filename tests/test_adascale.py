@@ -197,7 +197,13 @@ def test_the_gain_tends_to_s_or_to_1_as_the_population_says(
     )
 
 
-def _adascale_sgd():
+WINDOWS = {
+    "by_noise_scale": lambda: schedules.by_noise_scale(4, floor=2, ceiling=6),
+    "by_samples": lambda: schedules.by_samples({0: 2, 40: 3, 120: 5}),
+}
+
+
+def _adascale_sgd(windows="by_noise_scale"):
     model = small_model(3)
     model.compile(
         optimizer=SGDAccumulate(
@@ -206,7 +212,7 @@ def _adascale_sgd():
                 base_batch_size=4,
             ),
             momentum=0.9,
-            accum_iters=schedules.by_noise_scale(4, floor=2, ceiling=6),
+            accum_iters=WINDOWS[windows](),
             measure_noise_scale=True,
             noise_scale_momentum=0.8,
         ),
@@ -216,13 +222,17 @@ def _adascale_sgd():
     return model
 
 
-def test_a_keras_file_saved_mid_window_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("windows", list(WINDOWS))
+def test_a_keras_file_saved_mid_window_resumes_exactly(windows, tmp_path):
     """The scale-invariant step and the gain are saved state: a run saved
     mid-window to a `.keras` file and resumed ends as the uninterrupted
-    run, `tau` included."""
+    run, `tau` included, with windows sized by the noise scale or keyed on
+    samples."""
     x, y = regression_data(4, 200)
     split = 4 * 21  # 21 micro-batches: mid-window
-    whole, first = fit_interrupted(_adascale_sgd, x, y, split, 4)
+    whole, first = fit_interrupted(
+        lambda: _adascale_sgd(windows), x, y, split, 4
+    )
     path = tmp_path / "model.keras"
     first.save(path)
     resumed = keras.models.load_model(path)
