@@ -8,6 +8,7 @@
 
 import dataclasses
 import inspect
+import warnings
 from typing import Any
 from typing import Callable
 
@@ -200,7 +201,10 @@ def check_settable_accum_iters(optimizer, accum_iters):
             f"accum_iters={accum_iters!r}, measure_noise_scale=False"
         )
     layout = optimizer.__dict__.get("_accum_layout")
-    if layout is None or layout.has_window:
+    if layout is not None and layout.has_window:
+        _check_pending_fits(optimizer, accum_iters)
+        return
+    if layout is None:
         return
     if not isinstance(accum_iters, int) or accum_iters > 1:
         raise ValueError(
@@ -210,6 +214,37 @@ def check_settable_accum_iters(optimizer, accum_iters):
             "Set `accum_iters` before the optimizer is built (before "
             "the first `fit` or `apply`), or make a new optimizer. "
             f"Received: accum_iters={accum_iters!r}"
+        )
+
+
+def _check_pending_fits(optimizer, accum_iters):
+    """Raises where `optimizer` (built, with a window) holds more pending
+    micro-batches than a window of `accum_iters` (an int) continues, as a
+    load into it would; warns that a compiled train function keeps the
+    window size it was traced with."""
+    if not isinstance(accum_iters, int):
+        return
+    try:
+        micro_steps = optimizer._window.micro_steps
+        pending = int(keras.ops.convert_to_numpy(micro_steps))
+    except Exception:  # noqa: BLE001 - traced: nothing to read
+        return
+    if pending >= accum_iters:
+        raise ValueError(
+            f"Cannot set `accum_iters` of '{optimizer.name}' to "
+            f"{accum_iters}: the optimizer holds a pending window of "
+            f"{pending} micro-batches, more than a window of {accum_iters} "
+            f"continues (at most {accum_iters - 1}). Call `flush()` first, "
+            f"or set a larger value. Received: accum_iters={accum_iters}"
+        )
+    if accum_iters != optimizer.__dict__.get("_accum_iters"):
+        warnings.warn(
+            f"`accum_iters` of '{optimizer.name}' set to {accum_iters} "
+            "after it was built: a train function already compiled (a "
+            "`tf.function`, `jit_compile`, JAX) keeps the window size it "
+            "was traced with. Call `model.make_train_function(force=True)` "
+            "before the next `fit`.",
+            stacklevel=4,
         )
 
 

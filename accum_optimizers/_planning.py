@@ -2,6 +2,8 @@
 `MicroBatchPlan` it returns (see `memory_fit` for what `fit_to_memory` does
 with it)."""
 
+import warnings
+
 import keras
 import numpy as np
 from keras import backend
@@ -303,6 +305,10 @@ def _build(model, optimizers, data):
 def set_window(model, optimizers, target, size):
     """`accum_iters` for micro-batches of `size`; the train function, which
     reads it as a constant, is traced again."""
-    for optimizer in optimizers:
-        optimizer.accum_iters = -(-target // size)
+    with warnings.catch_warnings():
+        # (The setter warns of the compiled train function, traced again
+        # here.)
+        warnings.simplefilter("ignore")
+        for optimizer in optimizers:
+            optimizer.accum_iters = -(-target // size)
     model.train_function = None

@@ -290,7 +290,12 @@ def train_ours(run, tmp_path):
         if run.resume != "continue":
             model = _resumed(run, model, tmp_path)
         if run.accum_after is not None:
-            accumulating(model).accum_iters = run.accum_after
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # what the next line does
+                accumulating(model).accum_iters = run.accum_after
+            # A compiled train function keeps the window size it was
+            # traced with (the setter's warning says so).
+            model.make_train_function(force=True)
         fit(model, split, run.samples, run.flush)
     return {
         **outcome(model, windows),

@@ -234,11 +234,12 @@ def _raises_accum_iters_built_without_window(run):
 
 
 def _refuses_a_pending_window_too_long(run):
-    """A file that holds more pending micro-batches than the new
-    `accum_iters` takes (at most `accum_iters - 1`): refused at the load,
-    naming the pending window."""
+    """A file (or an optimizer, on `"continue"`) that holds more pending
+    micro-batches than the new `accum_iters` takes (at most
+    `accum_iters - 1`): refused at the load or where it is set, naming the
+    pending window."""
     return (
-        run.resume in ("keras", "weights")
+        run.resume is not None
         and run.accum_after is not None
         and run.accum != 1
         and pending_at_resume(run) >= run.accum_after

@@ -522,3 +522,23 @@ def test_a_weight_left_for_a_collected_optimizer_reaches_no_other():
         optimizer.apply([keras.ops.ones(2)], variables)
     assert float(to_numpy(optimizer.samples_seen)) == 2.0
     assert id(optimizer) not in _inputs._pending()
+
+
+def test_accum_iters_set_below_the_pending_window_is_refused():
+    """As a load into it would be: the pending window holds 2, a window of
+    2 continues at most 1. A larger value is taken, with a warning that a
+    compiled train function keeps the size it was traced with."""
+    variables = [keras.Variable(np.ones(2, "float32"))]
+    optimizer = SGDAccumulate(learning_rate=0.1, accum_iters=4)
+    for _ in range(2):
+        optimizer.apply([keras.ops.ones(2)], variables)
+    state = [to_numpy(v) for v in optimizer.variables]
+    with pytest.raises(ValueError, match="pending window of 2 micro-batches"):
+        optimizer.accum_iters = 2
+    assert optimizer.accum_iters == 4
+    for a, e in zip((to_numpy(v) for v in optimizer.variables), state):
+        np.testing.assert_array_equal(a, e)
+    with pytest.warns(UserWarning, match="make_train_function"):
+        optimizer.accum_iters = 3
+    optimizer.apply([keras.ops.ones(2)], variables)
+    assert int(to_numpy(optimizer.iterations)) == 1
