@@ -116,17 +116,31 @@ def add_into_sums(optimizer, window, step, grads):
 
 def write_counters(window, step):
     """Assigns the window's counters as `step` computed them."""
-    window.micro_steps.assign(step.micro_steps)
-    window.micro_batches.assign(step.micro_batches)
-    window.seen.assign(step.seen)
-    window.total_weight.assign(step.total_weight)
-    window.loss_sum.assign(step.loss_sum)
+    for variable, value in counter_writes(window, step):
+        variable.assign(value)
+
+
+def counter_writes(window, step):
+    """`(variable, value)`: the window's counters `step` writes."""
+    writes = [
+        (window.micro_steps, step.micro_steps),
+        (window.micro_batches, step.micro_batches),
+        (window.seen, step.seen),
+        (window.total_weight, step.total_weight),
+        (window.loss_sum, step.loss_sum),
+    ]
     if step.skipped is not None:
-        window.skipped.assign(step.skipped)
+        writes.append((window.skipped, step.skipped))
     if step.noise_sums is not None:
-        window.noise_sq_norm_sum.assign(step.noise_sums[0])
-        window.noise_inverse_weight_sum.assign(step.noise_sums[1])
-        window.noise_micro_batches.assign(step.noise_sums[2])
+        writes += zip(
+            (
+                window.noise_sq_norm_sum,
+                window.noise_inverse_weight_sum,
+                window.noise_micro_batches,
+            ),
+            step.noise_sums,
+        )
+    return writes
 
 
 def scaled(grad, weight, dtype):

@@ -10,10 +10,10 @@ import torch
 
 from accum_optimizers import _keras_private
 from accum_optimizers._backend import base
+from accum_optimizers._backend.base import counter_writes
 from accum_optimizers._backend.base import keep_maximum
 from accum_optimizers._backend.base import scaled
 from accum_optimizers._backend.base import targets
-from accum_optimizers._backend.base import write_counters
 from accum_optimizers._finite import all_finite
 
 
@@ -50,14 +50,12 @@ class WindowBackend(base.WindowBackend):
 
     @torch.no_grad()
     def sums_of_squares(self, tensors):
-        # One fused kernel per tensor, without `keras.ops`' per-call cost.
-        return [
-            torch.linalg.vector_norm(
-                torch.as_tensor(t), dtype=torch.float32
-            ).square()
-            for t in tensors
-            if t is not None
-        ]
+        # Two fused calls for all of them, without `keras.ops`' per-call
+        # cost.
+        tensors = [torch.as_tensor(t) for t in tensors if t is not None]
+        if not tensors:
+            return []
+        return _keras_private.torch_foreach_sums_of_squares(tensors)
 
     def agree(self, flag):
         sync = window_sync(self.optimizer)
@@ -82,7 +80,7 @@ class WindowBackend(base.WindowBackend):
         if claimed:
             # Before any write: the backward's gradients must be the call's.
             overlap.claimed.check(grads, step.weight, step.scaled)
-        write_counters(window, step)
+        _write_counters(window, step)
         if step.enters is None or bool(step.enters):
             if not claimed:  # else the last backward added them
                 self._add(window, step, grads)
@@ -162,6 +160,18 @@ class WindowBackend(base.WindowBackend):
         if totals:
             _keras_private.torch_foreach_div_(totals, divisor)
         return totals
+
+
+def _write_counters(window, step):
+    """The window's counters in one `_foreach_copy_` (a kernel on a GPU,
+    where an `assign` each is one launch per counter)."""
+    writes = counter_writes(window, step)
+    targets_ = [variable.value for variable, _ in writes]
+    values = [
+        torch.as_tensor(value, dtype=target.dtype, device=target.device)
+        for (_, value), target in zip(writes, targets_)
+    ]
+    _keras_private.torch_foreach_copy_(targets_, values)
 
 
 def kept_loss(loss):

@@ -284,6 +284,21 @@ def torch_foreach_copy_(targets, sources):
     torch._foreach_copy_(targets, sources)
 
 
+def torch_foreach_sums_of_squares(tensors):
+    """The float32 sum of squares of each of `tensors`: two fused calls
+    (`_foreach_norm`, whose `dtype` torch 2.3 added, then its square),
+    else one norm per tensor."""
+    import torch
+
+    try:
+        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    except (TypeError, RuntimeError):
+        norms = [
+            torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors
+        ]
+    return list(torch._foreach_mul(norms, norms))
+
+
 def in_xla_context():
     """Whether the TensorFlow graph being built is compiled by XLA."""
     import tensorflow as tf

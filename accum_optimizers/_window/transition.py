@@ -119,10 +119,12 @@ def micro_step(
         agreed = None if bool(known) else False
     if agreed is False:
         return _left_out(window, micro_batch)
+    # The scalar arithmetic is the tensors' own operators: `keras.ops`
+    # converts every operand first, a dispatch each on eager backends.
     count = 1 if agreed is None else ops.cast(agreed, "int32")
-    micro_steps = ops.add(window.micro_steps.value, count)
-    opens = ops.equal(micro_steps, 1)
-    closes = ops.greater_equal(micro_steps, window_size)
+    micro_steps = window.micro_steps.value + count
+    opens = micro_steps == 1
+    closes = micro_steps >= window_size
     if agreed is not None:
         opens = ops.logical_and(opens, agreed)
         closes = ops.logical_and(closes, agreed)
@@ -132,11 +134,16 @@ def micro_step(
     # A micro-batch without its loss makes its window report none.
     loss = float("nan") if loss is None else ops.cast(loss, "float32")
     present = [i for i, grad in enumerate(grads) if grad is not None]
-    seen = np.zeros(len(grads), "int32")
-    seen[present] = 1
-    seen = ops.convert_to_tensor(seen)
-    if agreed is not None:
-        seen = ops.multiply(seen, count)
+    if len(present) == len(grads) and agreed is None:
+        # Every variable seen, whatever the window saw before.
+        seen = ops.ones(len(grads), "int32")
+    else:
+        seen = np.zeros(len(grads), "int32")
+        seen[present] = 1
+        seen = ops.convert_to_tensor(seen)
+        if agreed is not None:
+            seen = ops.multiply(seen, count)
+        seen = ops.where(opens, seen, ops.maximum(window.seen.value, seen))
     step = Step(
         enters=agreed,
         opens=opens,
@@ -146,16 +153,14 @@ def micro_step(
         weight=None if micro_batch.scaled else masked(weight, agreed),
         scaled=micro_batch.scaled,
         present=present,
-        micro_steps=ops.where(closes, ops.zeros_like(micro_steps), micro_steps),
-        micro_batches=ops.add(window.micro_batches.value, count),
-        seen=ops.where(opens, seen, ops.maximum(window.seen.value, seen)),
+        micro_steps=ops.where(closes, 0, micro_steps),
+        micro_batches=window.micro_batches.value + count,
+        seen=seen,
         total_weight=_opened_or_added(
             opens, window.total_weight, masked(counted, agreed)
         ),
         loss_sum=_opened_or_added(
-            opens,
-            window.loss_sum,
-            masked(ops.multiply(loss, counted), agreed),
+            opens, window.loss_sum, masked(loss * counted, agreed)
         ),
     )
     if agreed is not None:
@@ -194,7 +199,7 @@ def _noise_sums(window, opens, squares, micro_batch, agreed, replicas):
     if replicas > 1:
         # A replica's gradient arrives divided by the replica count (as
         # Keras' losses scale it): its share's own mean is R times it.
-        sq_norm = ops.multiply(sq_norm, float(replicas * replicas))
+        sq_norm = sq_norm * float(replicas * replicas)
     counts = agreed
     weight = micro_batch.weight
     if weight is None:
@@ -208,7 +213,7 @@ def _noise_sums(window, opens, squares, micro_batch, agreed, replicas):
     if micro_batch.scaled:
         # `fit`'s gradients arrive multiplied by the weight (`scale_loss`):
         # the micro-batch's own mean is theirs over it.
-        sq_norm = ops.divide(sq_norm, ops.square(weight))
+        sq_norm = sq_norm / (weight * weight)
     added = (sq_norm, ops.divide(1.0, weight), ops.ones((), "float32"))
     totals = (
         window.noise_sq_norm_sum,
@@ -224,4 +229,4 @@ def _noise_sums(window, opens, squares, micro_batch, agreed, replicas):
 def _opened_or_added(opens, total, added):
     """`added` on the window's first micro-step, else `total + added`."""
     added = ops.cast(added, total.dtype)
-    return ops.where(opens, added, ops.add(total.value, added))
+    return ops.where(opens, added, total.value + added)
