@@ -73,6 +73,8 @@ CONFIGS = [
     "ceiling",
     "parent_4b",
 ]
+# Timed only when asked (`--configs`): the features' cost.
+FEATURE_CONFIGS = ["ours_k4_skip", "ours_k4_noise", "ours_k4_skip_noise"]
 
 
 def make_config(config, optimizer_name):
@@ -88,6 +90,16 @@ def make_config(config, optimizer_name):
         return ours(accum_iters=K, skip_nonfinite=True, **options), 1
     if config == "ours_k4_noise":
         return ours(accum_iters=K, measure_noise_scale=True, **options), 1
+    if config == "ours_k4_skip_noise":
+        return (
+            ours(
+                accum_iters=K,
+                skip_nonfinite=True,
+                measure_noise_scale=True,
+                **options,
+            ),
+            1,
+        )
     if config == "ours_k1":
         return ours(accum_iters=1, **options), 1
     if config == "ceiling":
@@ -178,7 +190,8 @@ def time_group(
         micro_batch *= REPLICAS
     x, y = workloads.data(workload, steps * micro_batch)
     runs, failed = {}, {}
-    configs = [c for c in configs_for(mode) if only is None or c in only]
+    configs = configs_for(mode) + FEATURE_CONFIGS
+    configs = [c for c in configs if c in (only or configs_for(mode))]
     scope = strategy_scope(mode)
     for config in configs:
         model, multiplier = compiled_model(
@@ -244,8 +257,8 @@ def main(argv=None):
     parser.add_argument(
         "--configs",
         nargs="+",
-        choices=CONFIGS,
-        help="time only these configurations (default: all)",
+        choices=CONFIGS + FEATURE_CONFIGS,
+        help="time only these configurations (default: all but the features')",
     )
     args = parser.parse_args(argv)
     jit_compile = {"tensorflow-xla": True}.get(
