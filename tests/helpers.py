@@ -522,3 +522,25 @@ def noise_estimate_scales(window, weights):
         (big_batch * big + small_batch * small) / gap,
         (small + big) * small_batch * big_batch / gap,
     )
+
+
+def tensorboard_scalars(run_dir):
+    """`{tag: [(step, value), ...]}` of the scalar summaries in a
+    TensorBoard run (skips the test without the `tensorboard` package)."""
+    import pytest
+
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing import event_accumulator
+    from tensorboard.util import tensor_util
+
+    accumulator = event_accumulator.EventAccumulator(
+        str(run_dir), size_guidance={event_accumulator.TENSORS: 0}
+    )
+    accumulator.Reload()
+    return {
+        tag: [
+            (event.step, float(tensor_util.make_ndarray(event.tensor_proto)))
+            for event in accumulator.Tensors(tag)
+        ]
+        for tag in accumulator.Tags()[event_accumulator.TENSORS]
+    }

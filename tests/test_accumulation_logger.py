@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from helpers import regression_data
 from helpers import small_model
+from helpers import tensorboard_scalars
 
 from accum_optimizers import AccumulationLogger
 from accum_optimizers import AdamAccumulate
@@ -48,25 +49,6 @@ def _fit(callbacks, epochs=2, optimizer=None, verbose=0):
         verbose=verbose,
         callbacks=callbacks,
     )
-
-
-def _scalars(run_dir):
-    """`{tag: [(step, value), ...]}` of the scalar summaries in a run."""
-    pytest.importorskip("tensorboard")
-    from tensorboard.backend.event_processing import event_accumulator
-    from tensorboard.util import tensor_util
-
-    accumulator = event_accumulator.EventAccumulator(
-        str(run_dir), size_guidance={event_accumulator.TENSORS: 0}
-    )
-    accumulator.Reload()
-    return {
-        tag: [
-            (event.step, float(tensor_util.make_ndarray(event.tensor_proto)))
-            for event in accumulator.Tensors(tag)
-        ]
-        for tag in accumulator.Tags()[event_accumulator.TENSORS]
-    }
 
 
 def test_history_records_updates_and_pending_micro_steps_per_epoch():
@@ -113,7 +95,7 @@ def test_progress_bar_shows_updates(capsys):
 
 def test_event_file_has_the_scalars_with_step_applied_updates(tmp_path):
     _fit([AccumulationLogger(log_dir=tmp_path, batch_size=B)], epochs=2)
-    scalars = _scalars(tmp_path / "train")
+    scalars = tensorboard_scalars(tmp_path / "train")
     # One point per epoch end: after 5 and 10 micro-batches.
     assert scalars.pop("accumulation/skipped_micro_batches") == [
         (2, 0.0),
@@ -138,7 +120,7 @@ def test_event_file_has_the_scalars_with_step_applied_updates(tmp_path):
 
 def test_event_file_gets_a_point_after_each_applied_update(tmp_path):
     _fit([AccumulationLogger(log_dir=tmp_path, update_freq=1)], epochs=1)
-    scalars = _scalars(tmp_path / "train")
+    scalars = tensorboard_scalars(tmp_path / "train")
     assert "accumulation/effective_batch_size" not in scalars  # No batch_size.
     # Micro-batches 2 and 4 (updates), then the epoch's end with
     # micro-batch 5 pending at the same step as micro-batch 4; none after
@@ -165,17 +147,17 @@ def test_event_file_has_no_point_before_the_first_update(tmp_path):
     optimizer = AdamAccumulate(accum_iters=8, measure_noise_scale=True)
     with pytest.warns(UserWarning, match="5 micro-batches of a window"):
         _fit([logger], epochs=1, optimizer=optimizer)
-    assert _scalars(tmp_path / "train") == {}
+    assert tensorboard_scalars(tmp_path / "train") == {}
 
 
-def test_scalars_sit_next_to_keras_tensorboard_scalars(tmp_path):
+def test_scalars_sit_next_to_keras_tensorboardtensorboard_scalars(tmp_path):
     pytest.importorskip("tensorflow")  # Keras' TensorBoard callback needs it.
     callbacks = [
         AccumulationLogger(log_dir=tmp_path),
         keras.callbacks.TensorBoard(log_dir=tmp_path, write_graph=False),
     ]
     _fit(callbacks, epochs=1)
-    scalars = _scalars(tmp_path / "train")
+    scalars = tensorboard_scalars(tmp_path / "train")
     assert scalars["accumulation/updates"] == [(2, 2.0)]
     assert [step for step, _ in scalars["epoch_loss"]] == [0]
     # Keras' callback, listed after ours, also writes our logs entries.
@@ -188,7 +170,7 @@ def test_tf_summary_writes_the_same_scalars_without_tensorboard(
     pytest.importorskip("tensorflow")
     reference = tmp_path / "tensorboard"
     _fit([AccumulationLogger(log_dir=reference, batch_size=B)], epochs=2)
-    expected = _scalars(reference / "train")
+    expected = tensorboard_scalars(reference / "train")
     # `None` in sys.modules makes `import tensorboard.summary` fail.
     monkeypatch.setitem(sys.modules, "tensorboard.summary", None)
     with pytest.raises(ImportError):
@@ -196,7 +178,7 @@ def test_tf_summary_writes_the_same_scalars_without_tensorboard(
     fallback = tmp_path / "tf"
     _fit([AccumulationLogger(log_dir=fallback, batch_size=B)], epochs=2)
     monkeypatch.undo()
-    assert _scalars(fallback / "train") == expected
+    assert tensorboard_scalars(fallback / "train") == expected
 
 
 def test_log_dir_without_tensorboard_or_tensorflow_is_an_import_error(
