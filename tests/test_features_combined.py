@@ -427,7 +427,7 @@ def test_logged_effective_batch_size_is_the_window_that_produced_the_update(
     tmp_path,
 ):
     pytest.importorskip("tensorboard")
-    from test_accumulation_logger import _scalars
+    from helpers import tensorboard_scalars
 
     b = 2
     x, y = regression_data(3, 8 * b)
@@ -439,7 +439,9 @@ def test_logged_effective_batch_size_is_the_window_that_produced_the_update(
     logger = AccumulationLogger(log_dir=tmp_path, batch_size=b, update_freq=1)
     _fit(model, x, y, b, epochs=1, callbacks=[logger])
     sizes = dict(
-        _scalars(tmp_path / "train")["accumulation/effective_batch_size"]
+        tensorboard_scalars(tmp_path / "train")[
+            "accumulation/effective_batch_size"
+        ]
     )
     # After micro-batches 1, 3, 6: updates 1, 2, 3 from windows of 1, 2, 3.
     assert sizes[1] == 1 * b
