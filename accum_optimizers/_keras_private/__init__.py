@@ -285,16 +285,19 @@ def torch_foreach_copy_(targets, sources):
 
 
 def torch_foreach_sums_of_squares(tensors):
-    """The float32 sum of squares of each of `tensors`: two fused calls
-    (`_foreach_norm`, whose `dtype` torch 2.3 added, then its square),
-    else one norm per tensor."""
+    """The float32 sum of squares of each of `tensors`: one fused norm for
+    float32 tensors, then its square; a float32 norm of each other
+    (float64 ones in float64: torch refuses to narrow them)."""
     import torch
 
-    try:
-        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
-    except (TypeError, RuntimeError):
+    if all(t.dtype == torch.float32 for t in tensors):
+        norms = torch._foreach_norm(tensors)
+    else:
         norms = [
-            torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors
+            torch.linalg.vector_norm(t).float()
+            if t.dtype == torch.float64
+            else torch.linalg.vector_norm(t, dtype=torch.float32)
+            for t in tensors
         ]
     return list(torch._foreach_mul(norms, norms))
 
