@@ -9,9 +9,10 @@ With the window `S` times a base batch of `b` samples, the gain
 lies in `[1, S]`: `S` where the noise dominates (a batch `S` times
 bigger is worth `S` steps), `1` where the gradient does. Each update uses
 `r` times the base learning rate at the scale-invariant step `tau`, and
-advances `tau` by `r`: a run at scale `S` follows the base run's progress
-per sample with up to `S` times fewer updates. `_window/adascale.py`
-computes `r` at each window's close.
+advances `tau` by `r`: each update stands for `r` base steps, so while the
+noise dominates (`r` near `S`) a run at scale `S` follows the base run per
+sample with `S` times fewer updates. `_window/adascale.py` computes `r` at
+each window's close.
 """
 
 import keras
