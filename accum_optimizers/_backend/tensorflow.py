@@ -8,10 +8,10 @@
   once all its inputs exist: a branch that took every gradient would hold
   them all until the backward pass ended, where the parent frees each as
   it applies it.
-- Under XLA: add on every micro-step, then a gate that is a `tf.while_loop`
-  running zero times or once. A `tf.cond` whose branch writes variables
-  makes XLA copy every variable it touches on every call, taken or not; the
-  loop updates them in place.
+- Under XLA: add on every micro-step (the select fuses into the add),
+  then `tf.cond(closes, close)`. TensorFlow's XLA bridge carries every
+  variable a `tf.while_loop` touches through the loop on every call, taken
+  or not; a conditional costs only its predicate when not taken.
 - Under a strategy that synchronizes replicas with `merge_call` (every
   strategy on CPU, and without XLA on GPU): Keras updates mirrored
   variables in `merge_call`, which cannot run inside a control-flow branch
@@ -114,7 +114,7 @@ class WindowBackend(base.WindowBackend):
             with _after(grads):
                 write_counters(window, step)
             add_into_sums(self.optimizer, window, step, grads)
-            return _run_at_most_once(step.closes, close)
+            return _branch(step.closes, close, lambda: None)
         with _after(grads):
             # Only the counters wait for the gradients: each sum waits for
             # its own, or each gradient would be held until the last one
@@ -141,8 +141,6 @@ class WindowBackend(base.WindowBackend):
         _branch(step.closes, close, lambda: None)
 
     def run_if(self, pred, fn):
-        if arrangement() == XLA:
-            return _run_at_most_once(pred, fn)
         _branch(pred, fn, lambda: None)
 
     def reduce_window(self, sums, extras, total_weight):
@@ -309,20 +307,4 @@ def _run_in_each_replica_if(pred, fn):
 
     tf.distribute.get_replica_context().merge_call(
         in_cross_replica_context, args=(pred,)
-    )
-
-
-def _run_at_most_once(pred, fn):
-    """`if pred: fn()` as a loop of zero trips or one: under XLA a `tf.cond`
-    whose branch writes variables copies every one of them on every call."""
-
-    def body(trips):
-        fn()
-        return trips + 1
-
-    tf.while_loop(
-        lambda trips: trips < tf.cast(pred, tf.int32),
-        body,
-        [tf.constant(0)],
-        maximum_iterations=1,
     )
