@@ -27,16 +27,16 @@ def all_finite(grads, sums_are_finite=None, squares=None):
         sums_are_finite: Optional function of the gradients' entries
             returning whether each one's sum is finite, a backend's own
             (see `_backend`). Defaults to one in `keras.ops`.
-        squares: Optional float32 sum of squares of each gradient
-            (`sums_of_squares`), already computed for the noise scale: a
-            sum of squares is not finite where an entry is not, so they
-            answer instead of a pass of sums of their own.
+        squares: Optional float32 vector of the gradients' sums of
+            squares (`sums_of_squares`), already computed for the noise
+            scale: a sum of squares is not finite where an entry is not,
+            so they answer instead of a pass of sums of their own.
     """
     values = [_wide(_entries(grad)) for grad in grads if grad is not None]
     if not values:
         return True
     if squares is not None:
-        probably = ops.all(ops.isfinite(ops.stack(squares)))
+        probably = ops.all(ops.isfinite(squares))
     else:
         probably = (sums_are_finite or _sums_are_finite)(values)
     known = concrete_value(probably)
@@ -50,14 +50,15 @@ def all_finite(grads, sums_are_finite=None, squares=None):
 
 
 def sums_of_squares(grads):
-    """The float32 sum of squares of each gradient's entries, `None`s left
-    out (an `IndexedSlices`' values: the caller merges repeated indices
-    first)."""
-    return [
+    """A float32 vector: the sum of squares of each gradient's entries,
+    `None`s left out (an `IndexedSlices`' values: the caller merges
+    repeated indices first)."""
+    squares = [
         ops.sum(ops.square(ops.cast(_entries(grad), "float32")))
         for grad in grads
         if grad is not None
     ]
+    return ops.stack(squares) if squares else ops.zeros((0,), "float32")
 
 
 def masked(value, finite):

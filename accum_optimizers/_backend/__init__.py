@@ -28,6 +28,7 @@ colocate = _window.colocate
 outside_compiled_code = _window.outside_compiled_code
 replica_count = _window.replica_count
 zero_weight_allowed = _window.zero_weight_allowed
+sums_of_squares = _window.sums_of_squares
 kept_loss = _window.kept_loss
 train_step_loss = _window.train_step_loss
 
@@ -69,6 +70,7 @@ __all__ = [
     "replica_count",
     "reset_allocator_peak",
     "set_random_state",
+    "sums_of_squares",
     "train_step_loss",
     "zero_weight_allowed",
 ]

@@ -16,7 +16,7 @@ from keras import ops
 
 from accum_optimizers._finite import all_finite
 from accum_optimizers._finite import masked
-from accum_optimizers._finite import sums_of_squares
+from accum_optimizers._finite import sums_of_squares as _sums_of_squares
 
 
 class WindowBackend:
@@ -35,18 +35,12 @@ class WindowBackend:
 
     def read_gradients(self, grads, squares, finite):
         """The one read of a micro-batch's gradients for the features:
-        `(squares, finite)`, the float32 sum of squares of each gradient
-        (`None`s left out) where `squares`, and whether every entry is
-        finite (a bool or a traced scalar bool) where `finite`; `None`
-        for what is not asked."""
-        sq = self.sums_of_squares(grads) if squares else None
+        `(squares, finite)`: where `squares`, a float32 vector of each
+        gradient's sum of squares (`sums_of_squares`); where `finite`,
+        whether every entry is finite (a bool or a traced scalar bool);
+        `None` for what is not asked."""
+        sq = sums_of_squares(grads) if squares else None
         return sq, (all_finite(grads, squares=sq) if finite else None)
-
-    def sums_of_squares(self, tensors):
-        """The float32 sum of squares of each of `tensors` (`None`s left
-        out), in one read of each: the noise scale's micro-batch norms and
-        the window's gradient norm."""
-        return sums_of_squares(tensors)
 
     def agree(self, flag):
         """`flag` (this replica's or rank's bool) and-ed over every replica
@@ -181,6 +175,13 @@ def _add(total, grad, opens):
 
 
 # The environment's facts, for backends that have nothing to add.
+
+
+def sums_of_squares(tensors):
+    """A float32 vector: the sum of squares of each of `tensors` (`None`s
+    left out), in one read of each; the noise scale's micro-batch norms,
+    skip's finiteness and the window's gradient norm."""
+    return _sums_of_squares(tensors)
 
 
 def colocate(optimizer, reference):

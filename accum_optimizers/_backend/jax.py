@@ -75,3 +75,4 @@ colocate = base.colocate
 outside_compiled_code = base.outside_compiled_code
 replica_count = base.replica_count
 zero_weight_allowed = base.zero_weight_allowed
+sums_of_squares = base.sums_of_squares

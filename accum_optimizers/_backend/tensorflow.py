@@ -64,17 +64,8 @@ class WindowBackend(base.WindowBackend):
         # table), so that the squares are the dense gradient's.
         sq = None
         if squares:
-            sq = self.sums_of_squares([_merged_rows(g) for g in grads])
+            sq = sums_of_squares([_merged_rows(g) for g in grads])
         return sq, (all_finite(grads, squares=sq) if finite else None)
-
-    def sums_of_squares(self, tensors):
-        # `L2Loss` is one kernel without a temporary, where a square then
-        # a sum are two and a buffer the size of the tensor.
-        return [
-            2.0 * tf.nn.l2_loss(tf.cast(_entries(t), "float32"))
-            for t in tensors
-            if t is not None
-        ]
 
     def agree(self, flag):
         replica_context = tf.distribute.get_replica_context()
@@ -204,6 +195,17 @@ class WindowBackend(base.WindowBackend):
         """`total += grad` (nothing for `None`)."""
         if grad is not None:
             self.optimizer.assign_add(total, grad)
+
+
+def sums_of_squares(tensors):
+    # `L2Loss` is one kernel without a temporary, where a square then a sum
+    # are two and a buffer the size of the tensor.
+    squares = [
+        2.0 * tf.nn.l2_loss(tf.cast(_entries(t), "float32"))
+        for t in tensors
+        if t is not None
+    ]
+    return tf.stack(squares) if squares else tf.zeros((0,), "float32")
 
 
 def colocate(optimizer, reference):

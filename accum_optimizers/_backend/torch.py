@@ -31,7 +31,7 @@ class WindowBackend(base.WindowBackend):
 
     def read_gradients(self, grads, squares, finite):
         overlap = _overlap_of(self.optimizer)
-        sq = self.sums_of_squares(grads) if squares else None
+        sq = sums_of_squares(grads) if squares else None
         if not finite:
             return sq, None
         if overlap is not None and overlap.claimed is not None:
@@ -44,18 +44,10 @@ class WindowBackend(base.WindowBackend):
             if not is_finite:
                 overlap.discard_claimed()  # the sums were never written
             return sq, is_finite
-        return sq, all_finite(
-            grads, sums_are_finite=_sums_are_finite, squares=sq
-        )
-
-    @torch.no_grad()
-    def sums_of_squares(self, tensors):
-        # Two fused calls for all of them, without `keras.ops`' per-call
-        # cost.
-        tensors = [torch.as_tensor(t) for t in tensors if t is not None]
-        if not tensors:
-            return []
-        return _keras_private.torch_foreach_sums_of_squares(tensors)
+        # The norms answer for the sums: one fused call, where a sum each
+        # is a dispatch each.
+        norms = sums_of_squares(grads) if sq is None else sq
+        return sq, all_finite(grads, squares=norms)
 
     def agree(self, flag):
         sync = window_sync(self.optimizer)
@@ -104,14 +96,7 @@ class WindowBackend(base.WindowBackend):
                 if not isinstance(weight, (float, type(None))):
                     grad = scaled(grad, weight, total.dtype)
                 target = total.value
-                pairs.append(
-                    (
-                        target,
-                        torch.as_tensor(
-                            grad, dtype=target.dtype, device=target.device
-                        ),
-                    )
-                )
+                pairs.append((target, _tensor(grad, like=target)))
         targets_, sources = [p[0] for p in pairs], [p[1] for p in pairs]
         if opens and absent:
             _keras_private.torch_foreach_zero_(absent)
@@ -163,15 +148,43 @@ class WindowBackend(base.WindowBackend):
 
 
 def _write_counters(window, step):
-    """The window's counters in one `_foreach_copy_` (a kernel on a GPU,
-    where an `assign` each is one launch per counter)."""
-    writes = counter_writes(window, step)
-    targets_ = [variable.value for variable, _ in writes]
-    values = [
-        torch.as_tensor(value, dtype=target.dtype, device=target.device)
-        for (_, value), target in zip(writes, targets_)
-    ]
-    _keras_private.torch_foreach_copy_(targets_, values)
+    """The window's counters: those computed as tensors in one
+    `_foreach_copy_` (a kernel on a GPU, where an `assign` each is one
+    launch per counter), a Python number by `fill_`, without making a
+    tensor of it first."""
+    targets_, values = [], []
+    for variable, value in counter_writes(window, step):
+        target = variable.value
+        if isinstance(value, (int, float)):
+            target.fill_(value)
+            continue
+        targets_.append(target)
+        values.append(_tensor(value, like=target))
+    if targets_:
+        _keras_private.torch_foreach_copy_(targets_, values)
+
+
+@torch.no_grad()
+def sums_of_squares(tensors):
+    # One fused norm for all of them, without `keras.ops`' per-call cost.
+    tensors = [_tensor(t) for t in tensors if t is not None]
+    if not tensors:
+        return torch.zeros((0,), dtype=torch.float32)
+    return _keras_private.torch_foreach_sums_of_squares(tensors)
+
+
+def _tensor(value, like=None):
+    """`value` as a torch tensor (of `like`'s dtype and device), converted
+    only where it is not one: `torch.as_tensor` of a tensor is still a
+    dispatch."""
+    if isinstance(value, torch.Tensor) and (
+        like is None
+        or (value.dtype == like.dtype and value.device == like.device)
+    ):
+        return value
+    if like is None:
+        return torch.as_tensor(value)
+    return torch.as_tensor(value, dtype=like.dtype, device=like.device)
 
 
 def kept_loss(loss):
@@ -236,10 +249,3 @@ def _buckets(tensors, bucket_bytes):
         size += nbytes
     if bucket:
         yield bucket
-
-
-@torch.no_grad()
-def _sums_are_finite(values):
-    """Whether the sum of each of `values` is finite (a 0-d bool tensor)."""
-    sums = [torch.as_tensor(value).sum() for value in values]
-    return torch.stack(sums).isfinite().all()

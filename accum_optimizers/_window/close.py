@@ -70,7 +70,7 @@ def close_window(optimizer, present=None):
     divisor = ops.where(ops.greater(total_weight, 0.0), total_weight, 1.0)
     # The norm from the sums, before the means replace them: read after,
     # XLA keeps every mean beside the sums.
-    grad_norm = ops.divide(_global_norm(backend, sums), divisor)
+    grad_norm = ops.divide(_global_norm(sums), divisor)
     window.window_grad_norm.assign(grad_norm)
     replicas = _backend.replica_count(optimizer)
     if noise_sums:
@@ -160,12 +160,9 @@ def _updated(seen, summed, present):
     return sorted(set(present) | set(maybe)), masks
 
 
-def _global_norm(backend, tensors):
+def _global_norm(tensors):
     """The float32 norm of `tensors` taken together."""
-    squares = backend.sums_of_squares(tensors)
-    if not squares:
-        return ops.zeros((), "float32")
-    return ops.sqrt(ops.sum(ops.stack(squares)))
+    return ops.sqrt(ops.sum(_backend.sums_of_squares(tensors)))
 
 
 def check_end_of_fit(optimizer, flushed):

@@ -27,6 +27,7 @@ import dataclasses
 import numpy as np
 from keras import ops
 
+from accum_optimizers import _keras_private
 from accum_optimizers._finite import masked
 from accum_optimizers._validation import concrete_value
 
@@ -110,8 +111,8 @@ def micro_step(
             `None`.
         window_size: the size of the window it belongs to (an int or an
             int32 scalar).
-        squares: its gradients' sums of squares where the noise scale is
-            measured, else `None`.
+        squares: its gradients' sums of squares (a float32 vector) where
+            the noise scale is measured, else `None`.
         replicas: the number of replicas its gradients are divided by.
     """
     known = None if agreed is None else concrete_value(agreed)
@@ -119,12 +120,19 @@ def micro_step(
         agreed = None if bool(known) else False
     if agreed is False:
         return _left_out(window, micro_batch)
-    # The scalar arithmetic is the tensors' own operators: `keras.ops`
-    # converts every operand first, a dispatch each on eager backends.
     count = 1 if agreed is None else ops.cast(agreed, "int32")
-    micro_steps = window.micro_steps.value + count
-    opens = micro_steps == 1
-    closes = micro_steps >= window_size
+    before = _known_count(window, agreed, window_size)
+    if before is not None:
+        # Eagerly: the window's position is read once, and the selects
+        # below are Python's (each `keras.ops` call converts its operands
+        # first, a dispatch each on eager backends).
+        micro_steps = before + 1
+        opens, closes = micro_steps == 1, micro_steps >= int(window_size)
+    else:
+        # The scalar arithmetic is the tensors' own operators.
+        micro_steps = window.micro_steps.value + count
+        opens = micro_steps == 1
+        closes = micro_steps >= window_size
     if agreed is not None:
         opens = ops.logical_and(opens, agreed)
         closes = ops.logical_and(closes, agreed)
@@ -133,17 +141,18 @@ def micro_step(
     loss = micro_batch.loss
     # A micro-batch without its loss makes its window report none.
     loss = float("nan") if loss is None else ops.cast(loss, "float32")
+    weighted_loss = loss if weight is None else loss * counted
     present = [i for i, grad in enumerate(grads) if grad is not None]
     if len(present) == len(grads) and agreed is None:
         # Every variable seen, whatever the window saw before.
-        seen = ops.ones(len(grads), "int32")
+        seen = np.ones(len(grads), "int32")
     else:
         seen = np.zeros(len(grads), "int32")
         seen[present] = 1
         seen = ops.convert_to_tensor(seen)
         if agreed is not None:
             seen = ops.multiply(seen, count)
-        seen = ops.where(opens, seen, ops.maximum(window.seen.value, seen))
+        seen = _select(opens, seen, ops.maximum(window.seen.value, seen))
     step = Step(
         enters=agreed,
         opens=opens,
@@ -153,14 +162,14 @@ def micro_step(
         weight=None if micro_batch.scaled else masked(weight, agreed),
         scaled=micro_batch.scaled,
         present=present,
-        micro_steps=ops.where(closes, 0, micro_steps),
+        micro_steps=_select(closes, 0, micro_steps),
         micro_batches=window.micro_batches.value + count,
         seen=seen,
         total_weight=_opened_or_added(
             opens, window.total_weight, masked(counted, agreed)
         ),
         loss_sum=_opened_or_added(
-            opens, window.loss_sum, masked(loss * counted, agreed)
+            opens, window.loss_sum, masked(weighted_loss, agreed)
         ),
     )
     if agreed is not None:
@@ -194,8 +203,7 @@ def _left_out(window, micro_batch):
 def _noise_sums(window, opens, squares, micro_batch, agreed, replicas):
     """The window's noise sums after the micro-batch (`noise.py` turns
     them into estimates at the close)."""
-    sq_norm = ops.sum(ops.stack(squares)) if squares else 0.0
-    sq_norm = ops.convert_to_tensor(sq_norm, "float32")
+    sq_norm = ops.sum(squares)
     if replicas > 1:
         # A replica's gradient arrives divided by the replica count (as
         # Keras' losses scale it): its share's own mean is R times it.
@@ -214,7 +222,8 @@ def _noise_sums(window, opens, squares, micro_batch, agreed, replicas):
         # `fit`'s gradients arrive multiplied by the weight (`scale_loss`):
         # the micro-batch's own mean is theirs over it.
         sq_norm = sq_norm / (weight * weight)
-    added = (sq_norm, ops.divide(1.0, weight), ops.ones((), "float32"))
+    inverse = 1.0 if isinstance(weight, float) else ops.divide(1.0, weight)
+    added = (sq_norm, inverse, 1.0)
     totals = (
         window.noise_sq_norm_sum,
         window.noise_inverse_weight_sum,
@@ -226,7 +235,32 @@ def _noise_sums(window, opens, squares, micro_batch, agreed, replicas):
     )
 
 
+def _known_count(window, agreed, window_size):
+    """The window's micro-steps before this one, as a Python int, where
+    it and `window_size` are concrete and nothing may leave the
+    micro-batch out; else `None` (compiled code)."""
+    if agreed is not None or _keras_private.in_tf_graph():
+        return None
+    if concrete_value(window_size) is None:
+        return None
+    before = concrete_value(window.micro_steps.value)
+    return None if before is None else int(before)
+
+
+def _select(pred, if_true, if_false):
+    """`if_true` where `pred`, else `if_false`: Python's choice for a
+    Python bool."""
+    if isinstance(pred, bool):
+        return if_true if pred else if_false
+    return ops.where(pred, if_true, if_false)
+
+
 def _opened_or_added(opens, total, added):
     """`added` on the window's first micro-step, else `total + added`."""
+    if isinstance(opens, bool):
+        # A Python number stays one: the backend writes it as it is.
+        if opens:
+            return added
+        return total.value + added
     added = ops.cast(added, total.dtype)
     return ops.where(opens, added, total.value + added)
