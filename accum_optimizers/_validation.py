@@ -8,6 +8,8 @@ import numpy as np
 from keras import backend
 from keras import ops
 
+from accum_optimizers import _keras_private
+
 ACCUMULATOR_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 # Dtypes whose range overflows at ordinary gradient sums: summed in float32.
@@ -145,6 +147,8 @@ def concrete_value(value):
     symbolic TensorFlow tensor, a JAX tracer)."""
     if isinstance(value, (numbers.Number, np.ndarray, np.generic)):
         return np.asarray(value)
+    if _keras_private.in_tf_graph():
+        return None  # and no numpy warning of a symbolic tensor
     try:
         return np.asarray(ops.convert_to_numpy(value))
     except Exception:  # noqa: BLE001 (each backend raises its own type)

@@ -11,6 +11,7 @@ EMA run there and nowhere else.
 import warnings
 
 import numpy as np
+from keras import backend
 from keras import ops
 
 from accum_optimizers import _backend
@@ -91,7 +92,7 @@ def close_window(optimizer, present=None):
         if i not in grads:
             grads[i] = window.sums[i].value  # a window's maximum
     optimizer._apply_window_mean(
-        [ops.cast(grads[i], variables[i].dtype) for i in updated],
+        [_cast(grads[i], variables[i].dtype) for i in updated],
         [variables[i] for i in updated],
         masks,
     )
@@ -158,6 +159,14 @@ def _updated(seen, summed, present):
     maybe = [i for i in summed if i not in present]
     masks = {i: ops.greater(seen[i], 0) for i in maybe}
     return sorted(set(present) | set(maybe)), masks
+
+
+def _cast(value, dtype):
+    """`value` in `dtype`, cast only where it is not (eagerly each cast is
+    a dispatch)."""
+    if backend.standardize_dtype(value.dtype) == dtype:
+        return value
+    return ops.cast(value, dtype)
 
 
 def _global_norm(tensors):

@@ -8,6 +8,7 @@ import numpy as np
 from keras import ops
 
 from accum_optimizers import schedules
+from accum_optimizers._validation import concrete_value
 from accum_optimizers._window import noise
 
 
@@ -90,6 +91,17 @@ def add_compensated(total, error, added):
     """`total += added` for a float32 pair of variables whose sum stays
     exact (Knuth's two-sum, the lost low bits kept in `error`), where a
     float32 total stops counting small additions past 2**24."""
+    known = [concrete_value(v) for v in (total.value, error.value, added)]
+    if all(value is not None for value in known):
+        # Eagerly, on the host in float32 (the two-sum's rounding is
+        # float32's), where each `keras.ops` call is a dispatch or more.
+        before, lost_before, added = (np.float32(v) for v in known)
+        after = before + added
+        kept = after - before
+        lost = (before - (after - kept)) + (added - kept)
+        total.assign(after)
+        error.assign(lost_before + lost)
+        return
     before = total.value
     after = ops.add(before, added)
     kept = ops.subtract(after, before)

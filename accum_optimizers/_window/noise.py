@@ -14,6 +14,7 @@ from keras import ops
 
 from accum_optimizers import _backend
 from accum_optimizers import schedules
+from accum_optimizers._validation import concrete_value
 
 
 def window_sums(window):
@@ -34,35 +35,61 @@ def close(optimizer, sums, big_sq_norm, total_weight):
     gradient and its total weight (over replicas, divided by their
     count)."""
     window = optimizer._window
+    inputs = [
+        *sums,
+        big_sq_norm,
+        big_batch(optimizer, total_weight),
+        *(average.value for average in _averages(window)),
+        window.largest_noise_scale.value,
+    ]
+    known = [concrete_value(value) for value in inputs]
+    if all(value is not None for value in known):
+        # Eagerly, a dozen scalars: their arithmetic on the host, where
+        # each `keras.ops` call is a dispatch or more.
+        with np.errstate(all="ignore"):
+            values = _new_values(optimizer, np, [np.float64(v) for v in known])
+        values = [np.float32(value) for value in values]
+    else:
+        values = _new_values(optimizer, ops, inputs)
+    written = (
+        window.window_gradient_sq_norm,
+        window.window_noise_trace,
+        *_averages(window),
+        window.largest_noise_scale,
+    )
+    for variable, value in zip(written, values):
+        variable.assign(value)
+
+
+def _new_values(optimizer, xp, inputs):
+    """The values `close` writes (the window's two estimates, the three
+    averages, the largest noise scale), from its `inputs`, in `xp`
+    (`numpy` or `keras.ops`)."""
+    (
+        sq_norm_sum,
+        inverse_weight_sum,
+        count,
+        big_sq_norm,
+        batch_big,
+        *averages,
+        largest,
+    ) = inputs
     gradient_sq_norm, trace, valid = _window_estimates(
-        *sums, big_sq_norm, big_batch(optimizer, total_weight)
+        xp, sq_norm_sum, inverse_weight_sum, count, big_sq_norm, batch_big
     )
-    nan = ops.convert_to_tensor(float("nan"), "float32")
-    window.window_gradient_sq_norm.assign(
-        ops.where(valid, gradient_sq_norm, nan)
-    )
-    window.window_noise_trace.assign(ops.where(valid, trace, nan))
+    nan = float("nan")
     momentum = optimizer.noise_scale_momentum
     averages = [
-        ops.where(
-            valid,
-            ops.add(
-                ops.multiply(momentum, average.value),
-                ops.multiply(1.0 - momentum, value),
-            ),
-            average.value,
-        )
-        for average, value in zip(
-            _averages(window), (gradient_sq_norm, trace, 1.0)
-        )
+        xp.where(valid, momentum * average + (1.0 - momentum) * value, average)
+        for average, value in zip(averages, (gradient_sq_norm, trace, 1.0))
     ]
-    for average, value in zip(_averages(window), averages):
-        average.assign(value)
-    noise_scale = _ratio(*averages)
-    largest = window.largest_noise_scale.value
-    counted = ops.logical_and(valid, ready(optimizer, averages[2]))
-    window.largest_noise_scale.assign(
-        ops.where(counted, ops.maximum(largest, noise_scale), largest)
+    noise_scale = _ratio(xp, *averages)
+    counted = xp.logical_and(valid, ready(optimizer, averages[2], xp))
+    return (
+        xp.where(valid, gradient_sq_norm, nan),
+        xp.where(valid, trace, nan),
+        *averages,
+        xp.where(counted, xp.maximum(largest, noise_scale), largest),
     )
 
 
@@ -77,15 +104,16 @@ def big_batch(optimizer, total_weight):
     return batch_big
 
 
-def ready(optimizer, weight):
+def ready(optimizer, weight, xp=ops):
     """Whether averages of total `weight` hold the `warmup_windows` of a
     `by_noise_scale` schedule (any estimate without one): the first
-    estimates are too noisy to grow a window on."""
+    estimates are too noisy to grow a window on (in `xp`, `numpy` or
+    `keras.ops`)."""
     schedule = optimizer._accum_schedule
     warmup = 0
     if schedules.keyed_on_noise_scale(schedule):
         warmup = schedule.warmup_windows
-    return ops.greater_equal(
+    return xp.greater_equal(
         weight, _warm_weight(optimizer.noise_scale_momentum, warmup)
     )
 
@@ -120,7 +148,7 @@ def read(optimizer, what):
         return ops.convert_to_tensor(window.window_noise_trace)
     sq_norm, trace, weight = (average.value for average in _averages(window))
     if what == "noise_scale":
-        return _ratio(sq_norm, trace, weight)
+        return _ratio(ops, sq_norm, trace, weight)
     value = sq_norm if what == "gradient_sq_norm" else trace
     nan = ops.convert_to_tensor(float("nan"), "float32")
     return ops.where(weight > 0, ops.divide(value, weight), nan)
@@ -136,15 +164,16 @@ def _averages(window):
     )
 
 
-def _ratio(sq_norm, trace, weight):
+def _ratio(xp, sq_norm, trace, weight):
     """`trace / sq_norm` of two averages of total `weight`: NaN without an
-    estimate, infinite where the average `|G|^2` is not positive."""
-    ratio = ops.where(
+    estimate, infinite where the average `|G|^2` is not positive (in
+    `xp`, `numpy` or `keras.ops`)."""
+    ratio = xp.where(
         sq_norm > 0,
-        ops.divide(trace, ops.where(sq_norm > 0, sq_norm, 1.0)),
+        xp.divide(trace, xp.where(sq_norm > 0, sq_norm, 1.0)),
         float("inf"),
     )
-    return ops.where(weight > 0, ratio, float("nan"))
+    return xp.where(weight > 0, ratio, float("nan"))
 
 
 def _warm_weight(momentum, windows):
@@ -207,12 +236,13 @@ def read_outs_of(optimizers):
 
 
 def _window_estimates(
-    sq_norm_sum, inverse_weight_sum, count, big_sq_norm, total_weight
+    xp, sq_norm_sum, inverse_weight_sum, count, big_sq_norm, total_weight
 ):
     """`(|G|^2, tr(Sigma), valid)`: the paper's two unbiased estimates from
     a window's micro-batch gradients and their mean.
 
     Args:
+        xp: `numpy` or `keras.ops`, which computes them.
         sq_norm_sum: the sum of its micro-batches' squared gradient norms.
         inverse_weight_sum: the sum of `1 / n_j`, their weights'.
         count: how many micro-batches it holds (`m`; under tf.distribute,
@@ -223,29 +253,29 @@ def _window_estimates(
     `B_small = m / sum(1 / n_j)`; `valid` is false for a window of one
     micro-batch, or whose estimates are not finite.
     """
-    small_sq_norm = ops.divide(sq_norm_sum, ops.maximum(count, 1.0))
-    batch_small = ops.divide(
-        count, ops.where(inverse_weight_sum > 0, inverse_weight_sum, 1.0)
+    small_sq_norm = xp.divide(sq_norm_sum, xp.maximum(count, 1.0))
+    batch_small = xp.divide(
+        count, xp.where(inverse_weight_sum > 0, inverse_weight_sum, 1.0)
     )
-    batch_big = ops.cast(total_weight, "float32")
-    gap = ops.subtract(batch_big, batch_small)
-    spread = ops.where(gap > 0, gap, 1.0)
-    gradient_sq_norm = ops.divide(
-        ops.subtract(
-            ops.multiply(batch_big, big_sq_norm),
-            ops.multiply(batch_small, small_sq_norm),
+    batch_big = total_weight
+    gap = xp.subtract(batch_big, batch_small)
+    spread = xp.where(gap > 0, gap, 1.0)
+    gradient_sq_norm = xp.divide(
+        xp.subtract(
+            xp.multiply(batch_big, big_sq_norm),
+            xp.multiply(batch_small, small_sq_norm),
         ),
         spread,
     )
-    trace = ops.divide(
-        ops.multiply(
-            ops.subtract(small_sq_norm, big_sq_norm),
-            ops.multiply(batch_small, batch_big),
+    trace = xp.divide(
+        xp.multiply(
+            xp.subtract(small_sq_norm, big_sq_norm),
+            xp.multiply(batch_small, batch_big),
         ),
         spread,
     )
-    valid = ops.logical_and(
-        ops.logical_and(count >= 2.0, gap > 0),
-        ops.logical_and(ops.isfinite(gradient_sq_norm), ops.isfinite(trace)),
+    valid = xp.logical_and(
+        xp.logical_and(count >= 2.0, gap > 0),
+        xp.logical_and(xp.isfinite(gradient_sq_norm), xp.isfinite(trace)),
     )
     return gradient_sq_norm, trace, valid

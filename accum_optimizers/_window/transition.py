@@ -27,7 +27,6 @@ import dataclasses
 import numpy as np
 from keras import ops
 
-from accum_optimizers import _keras_private
 from accum_optimizers._finite import masked
 from accum_optimizers._validation import concrete_value
 
@@ -239,7 +238,7 @@ def _known_count(window, agreed, window_size):
     """The window's micro-steps before this one, as a Python int, where
     it and `window_size` are concrete and nothing may leave the
     micro-batch out; else `None` (compiled code)."""
-    if agreed is not None or _keras_private.in_tf_graph():
+    if agreed is not None:
         return None
     if concrete_value(window_size) is None:
         return None
