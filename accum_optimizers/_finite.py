@@ -17,16 +17,13 @@ from accum_optimizers._validation import LOW_PRECISION_DTYPES
 from accum_optimizers._validation import concrete_value
 
 
-def all_finite(grads, sums_are_finite=None, squares=None):
+def all_finite(grads, squares=None):
     """Whether every entry of every gradient (`None`s and the indices of
     `IndexedSlices` ignored) is finite: a Python `bool` where the
     gradients are concrete, else a traced scalar bool.
 
     Args:
         grads: the gradients (or `None`s).
-        sums_are_finite: Optional function of the gradients' entries
-            returning whether each one's sum is finite, a backend's own
-            (see `_backend`). Defaults to one in `keras.ops`.
         squares: Optional float32 vector of the gradients' sums of
             squares (`sums_of_squares`), already computed for the noise
             scale: a sum of squares is not finite where an entry is not,
@@ -38,7 +35,7 @@ def all_finite(grads, sums_are_finite=None, squares=None):
     if squares is not None:
         probably = ops.all(ops.isfinite(squares))
     else:
-        probably = (sums_are_finite or _sums_are_finite)(values)
+        probably = _sums_are_finite(values)
     known = concrete_value(probably)
     if known is not None:
         return bool(known) or bool(concrete_value(_exactly_finite(values)))

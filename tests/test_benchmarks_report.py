@@ -3,6 +3,8 @@
 Backend-independent, so it runs in one backend's process only.
 """
 
+import json
+
 import pytest
 
 from benchmarks import report
@@ -121,3 +123,30 @@ def test_the_state_check_allows_the_window_state_and_nothing_more():
     state = window_state(measure_noise_scale=False)
     scalars = [variable for variable in state if not variable.per_variable]
     assert report.WINDOW_SCALARS == len(scalars)
+
+
+def test_micro_step_summary_is_the_range_of_each_runs_median_ratio(tmp_path):
+    from benchmarks import micro_step
+
+    # Per-round ratios ours / built-in: run 1: 1.1, 1.2, 3.0 (a slow spell
+    # of the built-in in round 3) -> median 1.2; run 2: 0.9 each -> 0.9.
+    runs = {
+        1: {"keras_builtin_k4": [10.0, 10.0, 1.0], "ours_k4": [11, 12, 3]},
+        2: {"keras_builtin_k4": [10.0] * 3, "ours_k4": [9.0] * 3},
+    }
+    for run, rounds in runs.items():
+        path = micro_step.run_file(tmp_path, "jax", "mlp", run)
+        path.write_text(
+            "\n".join(
+                json.dumps({"config": config, "repeats": values})
+                for config, values in rounds.items()
+            )
+        )
+    args = micro_step.parse(
+        ["--runs", "2", "--modes", "jax", "--workloads", "mlp"]
+        + ["--out", str(tmp_path)]
+    )
+    row = micro_step.summary(args).splitlines()[2]
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[:3] == ["jax", "mlp", "0.90-1.20"]
+    assert set(cells[3:]) == {"n/a"}  # no parent, no features' configs

@@ -166,7 +166,7 @@ def _write_counters(window, step):
 
 @torch.no_grad()
 def sums_of_squares(tensors):
-    # One fused norm for all of them, without `keras.ops`' per-call cost.
+    # In torch (`_keras_private`), without `keras.ops`' per-call cost.
     tensors = [_tensor(t) for t in tensors if t is not None]
     if not tensors:
         return torch.zeros((0,), dtype=torch.float32)
