@@ -3,8 +3,9 @@
 `micro_step` computes, in `keras.ops`, every value the window holds after
 one micro-batch, from its current values and the micro-batch's checked
 inputs, and whether the micro-batch opens or closes the window; nothing is
-written until the backend commits the `Step` it returns. Each feature is a
-term of this one computation:
+written until the backend commits the `Step` it returns. Eagerly the
+window's position is read once and the selects below are Python's. Each
+feature is a term of this one computation:
 
     the window      micro_steps + 1; opens at 1; closes at the window
                     size, where it goes back to 0
