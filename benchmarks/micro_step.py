@@ -25,13 +25,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-MODES = {
-    "tensorflow": "tensorflow",
-    "tensorflow-xla": "tensorflow",
-    "jax": "jax",
-    "torch": "torch",
-}
+from benchmarks.run import MODES as BACKEND_OF_MODE
+from benchmarks.run import ROOT
+
+MODES = ["tensorflow", "tensorflow-xla", "jax", "torch"]
 CONFIGS = [
     "parent",
     "keras_builtin_k4",
@@ -56,7 +53,7 @@ def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=6)
-    parser.add_argument("--modes", nargs="+", default=list(MODES))
+    parser.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     parser.add_argument(
         "--workloads", nargs="+", default=["mlp", "convnet", "transformer"]
     )
@@ -77,7 +74,7 @@ def run_worker(mode, workload, repeats, path):
     """One worker process; its JSON records into `path`."""
     env = {
         **os.environ,
-        "KERAS_BACKEND": MODES[mode],
+        "KERAS_BACKEND": BACKEND_OF_MODE[mode],
         "TF_CPP_MIN_LOG_LEVEL": "3",
     }
     command = [
