@@ -91,23 +91,15 @@ def add_compensated(total, error, added):
     """`total += added` for a float32 pair of variables whose sum stays
     exact (Knuth's two-sum, the lost low bits kept in `error`), where a
     float32 total stops counting small additions past 2**24."""
-    known = [concrete_value(v) for v in (total.value, error.value, added)]
+    operands = (total.value, error.value, added)
+    known = [concrete_value(value) for value in operands]
     if all(value is not None for value in known):
         # Eagerly, on the host in float32 (the two-sum's rounding is
         # float32's), where each `keras.ops` call is a dispatch or more.
-        before, lost_before, added = (np.float32(v) for v in known)
-        after = before + added
-        kept = after - before
-        lost = (before - (after - kept)) + (added - kept)
-        total.assign(after)
-        error.assign(lost_before + lost)
-        return
-    before = total.value
-    after = ops.add(before, added)
-    kept = ops.subtract(after, before)
-    lost = ops.add(
-        ops.subtract(before, ops.subtract(after, kept)),
-        ops.subtract(added, kept),
-    )
+        operands = [np.float32(value) for value in known]
+    before, lost_before, added = operands
+    after = before + added
+    kept = after - before
+    lost = (before - (after - kept)) + (added - kept)
     total.assign(after)
-    error.assign(ops.add(error.value, lost))
+    error.assign(lost_before + lost)
