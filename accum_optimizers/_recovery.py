@@ -3,10 +3,12 @@ training is (`Tracker`), whether the failed step can be retried exactly,
 and the pending window re-cut at the new micro-batch."""
 
 import keras
+import numpy as np
 from keras import ops
 
 from accum_optimizers import _keras_private
 from accum_optimizers._backend import COUNTS_ITERATIONS_BEFORE_UPDATE
+from accum_optimizers._backend import FAILED_STEP_MAY_LEAVE_UNCOUNTED_SUMS
 from accum_optimizers._backend import FAILED_STEP_WRITES_NO_STATE
 from accum_optimizers._backend import is_out_of_memory
 from accum_optimizers._window.counts import regroup_window
@@ -36,14 +38,31 @@ def fit_until_out_of_memory(model, batches, **kwargs):
     return None
 
 
-def _commits(optimizers):
-    """Each optimizer's count of `apply` calls it committed: micro-batches
-    added and skipped."""
+def _counts(optimizers):
+    """Each optimizer's `(micro_batches_seen, skipped_micro_batches,
+    micro_steps)`: its `apply` calls committed (added, skipped), and the
+    pending window's micro-steps."""
     return [
-        int(ops.convert_to_numpy(optimizer.micro_batches_seen))
-        + int(ops.convert_to_numpy(optimizer.skipped_micro_batches))
+        tuple(
+            int(ops.convert_to_numpy(count))
+            for count in (
+                optimizer.micro_batches_seen,
+                optimizer.skipped_micro_batches,
+                optimizer.micro_steps,
+            )
+        )
         for optimizer in optimizers
     ]
+
+
+def _restore_counts(optimizers, counts):
+    """Puts back each optimizer's committed counts (`_counts`) and empties
+    its pending window, whose next micro-step overwrites the sums."""
+    for optimizer, (added, skipped, _) in zip(optimizers, counts):
+        window = optimizer._window
+        window.micro_batches.assign(np.array(added, "int32"))
+        window.skipped.assign(np.array(skipped, "int32"))
+        window.micro_steps.assign(np.zeros((), "int32"))
 
 
 class Tracker(keras.callbacks.Callback):
@@ -66,7 +85,8 @@ class Tracker(keras.callbacks.Callback):
         self._optimizers = optimizers
         self._target = target
         self._batches = None
-        self._commits = None
+        self._before = None
+        self._window_start = None
 
     def begin(self, batches):
         self._batches = batches
@@ -78,7 +98,8 @@ class Tracker(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         self.position = self._batches.bounds[batch][0]
-        if self.position % self._target == 0:
+        starts_window = self.position % self._target == 0
+        if starts_window:
             self.window_steps = 0
         self.in_step = True
         model = self.model
@@ -102,41 +123,82 @@ class Tracker(keras.callbacks.Callback):
         else:
             # A JAX step writes all of its state or none; a TensorFlow or
             # torch step that fails may have written part of it.
-            self._commits = _commits(self._optimizers)
+            self._before = _counts(self._optimizers)
+            if starts_window:
+                self._window_start = self._before
 
     def check_recoverable(self, error):
-        """Raises, naming what happened, unless the failed step left the
-        optimizers as they were before it and the pending window is the
-        one the plan's samples make (so that retrying its samples at a
-        smaller micro-batch is exact)."""
-        if self._commits is not None and _commits(self._optimizers) != (
-            self._commits
+        """Raises, naming what happened, unless the failed step can be
+        retried exactly; returns whether training goes on from the pending
+        window's first sample (else from the failed step's).
+
+        The pending window must be the one the plan's samples make. A step
+        that wrote nothing is retried, the pending window kept: a JAX step
+        writes all of its state or none, and a torch step counts its
+        micro-batch before it writes. A step that wrote part of its window
+        leaves the weights as they were (the window's update waits for its
+        count of micro-batches; a TensorFlow graph adds each gradient as
+        the backward pass produces it, and counts the micro-batch once
+        every gradient exists): the window is emptied, its counts put back
+        as they were at its first micro-batch, and its samples trained
+        again. Where the count moved in the step that closes the window,
+        the update may have begun, which cannot be undone."""
+        if self._before is None:  # A JAX step: its state was put back.
+            pending = [
+                int(ops.convert_to_numpy(optimizer.micro_steps))
+                for optimizer in self._optimizers
+            ]
+            self._check_not_regrouped(pending, error)
+            return False
+        before = self._before
+        self._check_not_regrouped([counts[2] for counts in before], error)
+        after = _counts(self._optimizers)
+        counted = [a[0] != b[0] for a, b in zip(after, before)]
+        if any(
+            moved and counts[2] + 1 >= optimizer.accum_iters
+            for optimizer, counts, moved in zip(
+                self._optimizers, before, counted
+            )
         ):
             raise RuntimeError(
                 "fit_to_memory: the device ran out of memory after the "
-                "train step had begun to write the optimizer's state (in "
-                "the window's update): the step cannot be undone, so "
-                "training cannot continue exactly. The model and optimizer "
-                "hold what the step wrote; restore them from a checkpoint "
-                "and call fit_to_memory with a smaller micro_batch_size. "
-                f"The error: {error!r}"
+                "train step that closes a window had begun to write the "
+                "optimizer's state (the window's update): the step cannot "
+                "be undone, so training cannot continue exactly. The model "
+                "and optimizer hold what the step wrote; restore them from "
+                "a checkpoint and call fit_to_memory with a smaller "
+                f"micro_batch_size. The error: {error!r}"
             ) from error
-        pending = [
-            int(ops.convert_to_numpy(optimizer.micro_steps))
-            for optimizer in self._optimizers
-        ]
-        if any(count != self.window_steps for count in pending):
-            raise RuntimeError(
-                "fit_to_memory: the device ran out of memory in a window "
-                "that a skipped micro-batch regrouped (`skip_nonfinite`, "
-                "or a LossScaleOptimizer's skip of non-finite gradients): "
-                f"it holds {pending[0]} micro-batches where the plan's "
-                f"samples make {self.window_steps}, so the window cannot be "
-                "re-cut at a smaller micro-batch exactly. The model and "
-                "optimizer are as they were before the failed step; call "
-                "fit_to_memory with a smaller micro_batch_size. The error: "
-                f"{error!r}"
-            ) from error
+        if not any(counted) and not FAILED_STEP_MAY_LEAVE_UNCOUNTED_SUMS:
+            return False
+        _restore_counts(self._optimizers, self._window_start)
+        return True
+
+    def _check_not_regrouped(self, pending, error):
+        """Raises unless each optimizer's pending window holds `pending`
+        micro-steps where the plan's samples make `window_steps`."""
+        if all(count == self.window_steps for count in pending):
+            return
+        if FAILED_STEP_WRITES_NO_STATE:
+            state = (
+                "The model and optimizer are as they were before the failed "
+                "step; call fit_to_memory with a smaller micro_batch_size."
+            )
+        else:
+            state = (
+                "The weights are as they were before the failed step, but "
+                "the pending window may hold part of it: restore the model "
+                "and optimizer from a checkpoint and call fit_to_memory "
+                "with a smaller micro_batch_size."
+            )
+        raise RuntimeError(
+            "fit_to_memory: the device ran out of memory in a window that a "
+            "skipped micro-batch regrouped (`skip_nonfinite`, or a "
+            "LossScaleOptimizer's skip of non-finite gradients): it holds "
+            f"{pending[0]} micro-batches where the plan's samples make "
+            f"{self.window_steps}, so the window cannot be re-cut at a "
+            f"smaller micro-batch exactly. {state} The error: {error!r}"
+        ) from error
 
     def on_train_batch_end(self, batch, logs=None):
         self.in_step = False

@@ -24,7 +24,10 @@ When a train step runs out of memory later, `b` is halved and the epoch
 continues from the first sample the failed step held: the pending window
 keeps its sums and total weight; only its count of micro-steps changes,
 to what the window's remaining samples need at the new size (double, for
-an even `b` that divides `T`).
+an even `b` that divides `T`). Where the failed step wrote part of the
+window (a TensorFlow graph adds each gradient as the backward pass
+produces it), the window starts again from its first sample instead
+(`_recovery.Tracker.check_recoverable`).
 """
 
 import keras
@@ -77,7 +80,10 @@ def fit_to_memory(
     `RESOURCE_EXHAUSTED` runtime error, torch's `OutOfMemoryError`), the
     micro-batch is halved, `accum_iters` raised to match, and training
     continues from the failed micro-batch's first sample, with the
-    pending window and the epoch's order kept; any other error propagates.
+    pending window and the epoch's order kept (on TensorFlow, whose
+    failed step may have added part of its gradients, from the pending
+    window's first sample, the window emptied); any other error
+    propagates.
 
     Callbacks see one `fit` from the start, and a new one from each
     recovery (`on_train_begin` again); the recovered epoch's logs cover
@@ -176,7 +182,7 @@ def fit_to_memory(
         if error is None:
             epoch, start = end, 0
             continue
-        epoch, start = tracker.epoch, tracker.position
+        epoch, failed_at = tracker.epoch, tracker.position
         if tracker.iterations is not None:
             for optimizer, count in zip(optimizers, tracker.iterations):
                 optimizer.iterations.assign(np.array(count, "int64"))
@@ -185,19 +191,22 @@ def fit_to_memory(
             # Nothing smaller to try, or not a train step's (validation's):
             # the epoch's training already ended.
             raise error
-        tracker.check_recoverable(error)
+        start = failed_at
+        if tracker.check_recoverable(error):
+            start -= start % plan.target_batch_size  # The window's first.
         del error  # its traceback holds the failed step's buffers
         free_memory(model)
         new_size = -(-size // 2)
-        plan.recoveries.append((epoch, start, size, new_size))
+        plan.recoveries.append((epoch, failed_at, size, new_size))
         plan.micro_batch_size = new_size
         set_window(model, optimizers, plan.target_batch_size, new_size)
         tracker.window_steps = continue_window(optimizers, plan, start)
         if printing:
             print(
                 f"fit_to_memory: out of memory at micro-batch {size} (epoch "
-                f"{epoch + 1}, sample {start}); continuing with micro-batch "
-                f"{new_size} x accum_iters {plan.accum_iters}"
+                f"{epoch + 1}, sample {failed_at}); continuing from sample "
+                f"{start} with micro-batch {new_size} x accum_iters "
+                f"{plan.accum_iters}"
             )
     history = keras.callbacks.History()
     history.set_model(model)

@@ -781,7 +781,8 @@ def assert_same_run(run, ours, parent, initial, unchecked=()):
 class MemoryRun:
     """A drawn `fit_to_memory` run: `rules` are the injected out-of-memory
     errors, `(from_call, above)` as `test_fit_to_memory.Injector` takes
-    them; `micro_batch=None` plans by probes."""
+    them, raised before the step or, with `in_backward`, in the middle of
+    its backward pass; `micro_batch=None` plans by probes."""
 
     optimizer: str = "adam"
     target: int = 8
@@ -794,6 +795,7 @@ class MemoryRun:
     logger: bool = False
     policy: str = "float32"
     plain: bool = False
+    in_backward: bool = False
 
 
 def train_ours_to_memory(run, injector_class):
@@ -801,10 +803,14 @@ def train_ours_to_memory(run, injector_class):
     x, y, w = data(Run(samples=run.samples, sample_weight=run.sample_weight))
     cls, _, options = _options(Run(optimizer=run.optimizer))
     model = _model()
+    if run.in_backward:
+        from test_fit_to_memory import tapped_model
+
+        model = tapped_model(model)
     model.compile(
         optimizer=cls(**options), loss="mse", jit_compile=run.jit_compile
     )
-    injector = injector_class(model, run.rules)
+    injector = injector_class(model, run.rules, in_backward=run.in_backward)
     logger = ao.AccumulationLogger(update_freq="batch")
     history = ao.fit_to_memory(
         model,

@@ -333,6 +333,9 @@ def memory_runs(draw):
     run.jit_compile = (
         draw(st.sampled_from([True, False])) if BACKEND == "jax" else False
     )
+    # Where the step runs out of memory: before it, or in its backward pass
+    # (JAX raises a compiled step's error from outside it).
+    run.in_backward = BACKEND != "jax" and draw(st.booleans())
     return run
 
 

@@ -52,21 +52,50 @@ class Injector:
     of more than `above` samples raises the backend's error.
 
     Args:
-        model: a compiled model.
+        model: a compiled model; for `in_backward`, one built by
+            `tapped_model`.
         rules: `(from_call, above)` pairs; any rule that matches raises.
         error: `None` for the out-of-memory error, or a function making
             another error to raise instead.
+        in_backward: raise in the middle of the backward pass, once the
+            last layer's gradients exist (its `BackwardTap`), instead of
+            before the step (TensorFlow outside XLA, and torch).
     """
 
-    def __init__(self, model, rules, error=None):
+    def __init__(self, model, rules, error=None, in_backward=False):
         self.rules = list(rules)
         self.calls = 0
         self.raised = 0
         self.error = error or out_of_memory_error
-        if BACKEND == "jax":
+        if in_backward:
+            taps = [layer for layer in model.layers if hasattr(layer, "tap")]
+            assert taps and BACKEND != "jax", "a tapped_model, not JAX"
+            taps[0].tap = self.tap
+        elif BACKEND == "jax":
             self._wrap_jax_train_function(model)
         else:
             self._wrap_train_step(model)
+
+    def tap(self, upstream):
+        """`upstream`, a gradient in the backward pass, after the check of
+        its micro-batch's size."""
+        if BACKEND == "tensorflow":
+            import tensorflow as tf
+
+            if not tf.executing_eagerly():
+
+                def check(size):
+                    if self.check(int(size)):
+                        raise MemoryError("OOM in the backward (injected)")
+                    return 0
+
+                size = tf.shape(upstream)[0]
+                token = tf.py_function(check, [size], tf.int32)
+                with tf.control_dependencies([token]):
+                    return tf.identity(upstream)
+        if self.check(int(upstream.shape[0])):
+            raise self.error()
+        return upstream
 
     def check(self, size):
         call = self.calls
@@ -129,6 +158,43 @@ class Injector:
             return injected
 
         model.make_train_function = make
+
+
+class BackwardTap(keras.layers.Layer):
+    """The identity, whose gradient goes through `tap` (set by an
+    `Injector`) in training."""
+
+    def call(self, x, training=False):
+        if not training:
+            return x
+
+        @keras.ops.custom_gradient
+        def identity(x):
+            def grad(*args, upstream=None):
+                return self.tap(args[0] if upstream is None else upstream)
+
+            return x, grad
+
+        return identity(x)
+
+    def tap(self, upstream):
+        return upstream
+
+
+def tapped_model(model):
+    """`model` (a `Sequential` of two layers) with a `BackwardTap` between
+    its layers, and its weights."""
+    first, last = model.layers
+    tapped = keras.Sequential(
+        [
+            keras.Input(model.inputs[0].shape[1:]),
+            type(first).from_config(first.get_config()),
+            BackwardTap(),
+            type(last).from_config(last.get_config()),
+        ]
+    )
+    tapped.set_weights(model.get_weights())
+    return tapped
 
 
 def compiled(model, optimizer, jit_compile="auto"):
@@ -246,6 +312,34 @@ def test_out_of_memory_mid_epoch_halves_the_micro_batch_and_stays_exact():
     assert int(to_numpy(model.optimizer.iterations)) == int(
         to_numpy(parent.optimizer.iterations)
     )
+
+
+@pytest.mark.backends("tensorflow", "torch")
+def test_out_of_memory_in_the_backward_pass_mid_window_stays_exact():
+    # As above, the error raised once the last layer's gradients exist: a
+    # TensorFlow graph may have added them into the window's sums, and
+    # the window starts again from its first sample.
+    x, y = regression_data(4, 40)
+    weights = sample_weights(4, 40)
+    model = compiled(
+        tapped_model(small_model(0)), AdamAccumulate(0.01), jit_compile=False
+    )
+    injector = Injector(model, [(5, 3), (17, 2)], in_backward=True)
+    history = fit_to_memory(
+        model,
+        x,
+        y,
+        sample_weight=weights,
+        target_batch_size=12,
+        micro_batch_size=6,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+    )
+    sizes = [(size, new) for *_, size, new in history.plan.recoveries]
+    assert sizes == [(6, 3), (3, 2)]
+    assert injector.raised == 2
+    assert_trains_like_parent(model, x, y, 12, epochs=2, sample_weight=weights)
 
 
 def test_recovery_keeps_each_epochs_shuffled_order():

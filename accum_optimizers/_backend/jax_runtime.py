@@ -16,6 +16,9 @@ COUNTS_ITERATIONS_BEFORE_UPDATE = False
 # wrote none of it.
 FAILED_STEP_WRITES_NO_STATE = True
 
+# (All or none, above.)
+FAILED_STEP_MAY_LEAVE_UNCOUNTED_SUMS = False
+
 # torch's compiler alone retraces per micro-batch (`weigh_micro_batches`).
 COMPILER_RETRACES_EACH_HAND_OVER = False
 

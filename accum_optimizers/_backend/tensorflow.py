@@ -107,7 +107,7 @@ class WindowBackend(base.WindowBackend):
             add_into_sums(self.optimizer, window, step, grads)
             return _branch(step.closes, close, lambda: None)
         with _after(grads):
-            # Only the counters wait for the gradients: each sum waits for
+            # Only the counters wait for every gradient: each sum waits for
             # its own, or each gradient would be held until the last one
             # exists.
             write_counters(window, step)
@@ -127,9 +127,10 @@ class WindowBackend(base.WindowBackend):
                 lambda: self._add_each(window, step, grads),
                 lambda: None,
             )
-        if how == MERGE_CALL:
-            return _run_in_each_replica_if(step.closes, close)
-        _branch(step.closes, close, lambda: None)
+        with _after_count(window):
+            if how == MERGE_CALL:
+                return _run_in_each_replica_if(step.closes, close)
+            _branch(step.closes, close, lambda: None)
 
     def run_if(self, pred, fn):
         _branch(pred, fn, lambda: None)
@@ -240,15 +241,26 @@ train_step_loss = base.train_step_loss
 
 
 def _after(grads):
-    """Context in which the counters change only once `grads` exist: in a
-    graph, a step that fails to produce its data must change no counter.
-    Every gradient depends on the step's data: one suffices."""
+    """Context in which the counters change only once every one of `grads`
+    exists. In a graph each sum's add runs as soon as its gradient exists,
+    while the backward pass computes the others: a step that fails in it
+    may have written some sums, but no counter, and no weight (the close
+    waits for the count, `_after_count`). `fit_to_memory` reads the count
+    to tell a step whose update may have begun (`_recovery.py`)."""
     if tf.executing_eagerly():
         return contextlib.nullcontext()
-    last = next(g for g in reversed(grads) if g is not None)
-    if isinstance(last, tf.IndexedSlices):
-        last = last.values
-    return tf.control_dependencies([last])
+    return tf.control_dependencies(
+        [_entries(g) for g in grads if g is not None]
+    )
+
+
+def _after_count(window):
+    """Context in which the window's close begins only once this step's
+    count of micro-batches is written."""
+    if tf.executing_eagerly():
+        return contextlib.nullcontext()
+    # A read of a variable runs after the writes built before it.
+    return tf.control_dependencies([tf.identity(window.micro_batches.value)])
 
 
 def _entries(grad):

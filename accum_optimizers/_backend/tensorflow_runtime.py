@@ -16,6 +16,11 @@ COUNTS_ITERATIONS_BEFORE_UPDATE = True
 # A step that fails may have written part of its state.
 FAILED_STEP_WRITES_NO_STATE = False
 
+# A graph adds each gradient into its sum as the backward pass produces it
+# and counts the micro-batch once every gradient exists: a step that fails
+# may have written sums it did not count.
+FAILED_STEP_MAY_LEAVE_UNCOUNTED_SUMS = True
+
 # torch's compiler alone retraces per micro-batch (`weigh_micro_batches`).
 COMPILER_RETRACES_EACH_HAND_OVER = False
 

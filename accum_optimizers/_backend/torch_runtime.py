@@ -13,6 +13,10 @@ COUNTS_ITERATIONS_BEFORE_UPDATE = False
 # An eager step that fails may have written part of its state.
 FAILED_STEP_WRITES_NO_STATE = False
 
+# `apply` counts the micro-batch before it adds the gradients, which the
+# backward pass computed before it.
+FAILED_STEP_MAY_LEAVE_UNCOUNTED_SUMS = False
+
 # torch.compile (`jit_compile=True`) recompiles the train step for every
 # micro-batch's hand-over, up to its recompile limit.
 COMPILER_RETRACES_EACH_HAND_OVER = True
