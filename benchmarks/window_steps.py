@@ -12,7 +12,10 @@ Compiles Keras' own `train_step` the way `model.fit` does on the backend
 `--xla`; torch runs it eagerly), then times it call by call, by position in
 a window of 4, for the parent optimizer, ours (`accum_iters=4`), the
 add-only ceiling and Keras' built-in `gradient_accumulation_steps=4`, with
-Adam, SGD with momentum and RMSprop. The four configurations of an
+Adam, SGD with momentum and RMSprop; in a TensorFlow graph (without
+`--xla`) also Keras' built-in made to wait for the whole backward pass
+before it writes, as ours does (`keras_builtin_k4_after_backward`, see
+`benchmarks/after_backward.py`). The four configurations of an
 optimizer are built side by side in one process, warmed up for one window
 each, then timed alternately, in 10 rounds of `--windows / 10` windows
 each, so that a drift of the process's speed falls on all of them. Prints
@@ -45,6 +48,9 @@ from benchmarks import worker  # noqa: E402
 from benchmarks import workloads  # noqa: E402
 
 CONFIGS = ("parent", "ours_k4", "ceiling", "keras_builtin_k4")
+# Only in a TensorFlow graph do Keras' built-in's writes overlap the
+# backward pass.
+GRAPH_CONFIGS = ("keras_builtin_k4_after_backward",)
 
 
 def _jax_step(model, data):
@@ -226,6 +232,8 @@ def main(argv=None):
         steps, copies = {}, {}
         toggled = args.skip_nonfinite or args.noise_scale
         configs = ("parent",) if toggled else CONFIGS
+        if backend == "tensorflow" and not args.xla and not toggled:
+            configs += GRAPH_CONFIGS
         for config in configs:
             steps[config], copies[config] = compiled_step(
                 args.workload, config, optimizer_name, args.xla, batch

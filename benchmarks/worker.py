@@ -47,6 +47,7 @@ from accum_optimizers import LionAccumulate  # noqa: E402
 from accum_optimizers import RMSpropAccumulate  # noqa: E402
 from accum_optimizers import SGDAccumulate  # noqa: E402
 from benchmarks import workloads  # noqa: E402
+from benchmarks.after_backward import after_backward  # noqa: E402
 from benchmarks.ceiling import AddOnly  # noqa: E402
 
 K = 4
@@ -84,6 +85,9 @@ def make_config(config, optimizer_name):
         return parent(**options), 1
     if config == "keras_builtin_k4":
         return parent(gradient_accumulation_steps=K, **options), 1
+    if config == "keras_builtin_k4_after_backward":
+        waiting = after_backward(parent)
+        return waiting(gradient_accumulation_steps=K, **options), 1
     if config == "ours_k4":
         return ours(accum_iters=K, **options), 1
     if config == "ours_k4_skip":

@@ -108,6 +108,33 @@ def test_window_profiler_runs_and_prints_its_table(arguments, capsys):
         assert "ours_k4_skip" not in out
     if "--micro-batch" in arguments:
         assert "micro-batch 5," in out
+    # Keras' built-in made to wait for the backward pass: in a TensorFlow
+    # graph, beside the other three.
+    graph = keras.backend.backend() == "tensorflow" and "--xla" not in arguments
+    toggled = {"--skip-nonfinite", "--noise-scale"} & set(arguments)
+    waiting = "| keras_builtin_k4_after_backward |" in out
+    assert waiting == (graph and not toggled)
+
+
+@pytest.mark.backends("tensorflow")
+def test_keras_builtin_after_backward_trains_as_keras_builtin():
+    # The configuration only orders Keras' built-in's writes after the
+    # backward pass: its weights are the built-in's, to the bit.
+    import numpy as np
+    from helpers import regression_data
+    from helpers import small_model
+
+    from benchmarks.after_backward import after_backward
+
+    x, y = regression_data(0, 32)
+    weights = []
+    for cls in (keras.optimizers.Adam, after_backward(keras.optimizers.Adam)):
+        model = small_model(0)
+        model.compile(cls(gradient_accumulation_steps=2), "mse")
+        model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+        weights.append(model.get_weights())
+    for ours, theirs in zip(*weights):
+        np.testing.assert_array_equal(ours, theirs)
 
 
 @pytest.mark.backends("jax")
