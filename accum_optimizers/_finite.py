@@ -10,6 +10,7 @@ test runs only when a sum is not finite (a Python branch eagerly; in
 compiled code a conditional returning one bool, so XLA copies nothing).
 """
 
+import numpy as np
 from keras import backend
 from keras import ops
 
@@ -29,21 +30,34 @@ def all_finite(grads, squares=None):
             scale: a sum of squares is not finite where an entry is not,
             so they answer instead of a pass of sums of their own.
     """
-    values = [_wide(_entries(grad)) for grad in grads if grad is not None]
-    if not values:
+    present = [grad for grad in grads if grad is not None]
+    if not present:
         return True
-    if squares is not None:
+    known_squares = None if squares is None else concrete_value(squares)
+    if known_squares is not None:
+        # Eagerly, one read of a few numbers to the host, where two
+        # `keras.ops` calls are a dispatch or more each.
+        probably = bool(np.isfinite(known_squares).all())
+    elif squares is not None:
         probably = ops.all(ops.isfinite(squares))
     else:
-        probably = _sums_are_finite(values)
+        probably = _sums_are_finite(_values(present))
     known = concrete_value(probably)
     if known is not None:
-        return bool(known) or bool(concrete_value(_exactly_finite(values)))
+        return bool(known) or bool(
+            concrete_value(_exactly_finite(_values(present)))
+        )
     return ops.cond(
         probably,
         lambda: ops.convert_to_tensor(True),
-        lambda: _exactly_finite(values),
+        lambda: _exactly_finite(_values(present)),
     )
+
+
+def _values(grads):
+    """The gradients' entries, in float32 at least: made only where read
+    (eagerly each dtype's check is a dispatch)."""
+    return [_wide(_entries(grad)) for grad in grads]
 
 
 def sums_of_squares(grads):

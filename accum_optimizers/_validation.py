@@ -147,6 +147,9 @@ def concrete_value(value):
     symbolic TensorFlow tensor, a JAX tracer)."""
     if isinstance(value, (numbers.Number, np.ndarray, np.generic)):
         return np.asarray(value)
+    host = _keras_private.torch_host_value(value)
+    if host is not None:
+        return host
     if _keras_private.in_tf_graph():
         return None  # and no numpy warning of a symbolic tensor
     try:
@@ -225,6 +228,8 @@ def validate_loss(loss):
             "`loss` must be a real scalar: the micro-batch's loss, for "
             f"`window_loss`. Received: loss={loss!r}, {problem}"
         )
+    if dtype == "float32" and tuple(tensor.shape) == ():
+        return tensor  # already so: eager backends pay each op a dispatch
     return ops.reshape(ops.cast(tensor, "float32"), ())
 
 

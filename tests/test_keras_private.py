@@ -165,6 +165,21 @@ def test_tensorflow_xla_and_merge_call_are_detected():
     assert bool(inside)
 
 
+@pytest.mark.backends("tensorflow")
+def test_xla_unfused_keeps_its_value_apart_from_its_consumers():
+    import tensorflow as tf
+
+    def sum_of_squares(x):
+        return tf.reduce_sum(_keras_private.xla_unfused(tf.square(x)))
+
+    compiled = tf.function(sum_of_squares, jit_compile=True)
+    x = tf.constant([1.0, -2.0, 3.0])
+    assert float(compiled(x)) == 14.0
+    assert "opt-barrier" in compiled.experimental_get_compiler_ir(x)(
+        stage="hlo"
+    )
+
+
 # The optimizers Keras 3.15 swaps for a fused (`torch._foreach_*`) variant
 # on torch, each in `keras/src/backend/torch/optimizers/torch_<name>.py`.
 TORCH_FUSED = (
@@ -249,6 +264,17 @@ def test_torch_foreach_functions_work_in_place():
     )
     assert [t.tolist() for t in targets] == [[7.0, 7.0], [8.0]]
     assert [id(t) for t in targets] == ids
+
+
+@pytest.mark.backends("torch")
+def test_torch_host_value_reads_the_tensors_numpy_holds():
+    import torch
+
+    read = _keras_private.torch_host_value
+    np.testing.assert_array_equal(read(torch.tensor([1.0, 2.0])), [1.0, 2.0])
+    assert read(torch.ones(1, requires_grad=True)).tolist() == [1.0]
+    assert read(torch.ones(2, dtype=torch.bfloat16)) is None
+    assert read(np.ones(2)) is None
 
 
 def test_is_multi_optimizer():

@@ -24,6 +24,7 @@ else:
 
 # The window's hooks, and its environment (documented in `base.py`).
 WindowBackend = _window.WindowBackend
+assign = _window.assign
 colocate = _window.colocate
 outside_compiled_code = _window.outside_compiled_code
 replica_count = _window.replica_count
@@ -62,6 +63,7 @@ __all__ = [
     "SUPPORTS_MEMORY_ANALYSIS",
     "WindowBackend",
     "allocator_peak",
+    "assign",
     "asserted_normalizer",
     "colocate",
     "compiled_peak",

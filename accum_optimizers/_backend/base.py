@@ -110,8 +110,7 @@ def add_into_sums(optimizer, window, step, grads):
 
 def write_counters(window, step):
     """Assigns the window's counters as `step` computed them."""
-    for variable, value in counter_writes(window, step):
-        variable.assign(value)
+    assign(counter_writes(window, step))
 
 
 def counter_writes(window, step):
@@ -175,6 +174,13 @@ def _add(total, grad, opens):
 
 
 # The environment's facts, for backends that have nothing to add.
+
+
+def assign(writes):
+    """Assigns each `(variable, value)` of `writes`, in order; `value` is
+    a tensor or a number."""
+    for variable, value in writes:
+        variable.assign(value)
 
 
 def sums_of_squares(tensors):

@@ -71,6 +71,7 @@ def train_step_loss():
     return _keras_private.jax_train_step_loss()
 
 
+assign = base.assign
 colocate = base.colocate
 outside_compiled_code = base.outside_compiled_code
 replica_count = base.replica_count

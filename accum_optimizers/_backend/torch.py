@@ -6,6 +6,7 @@ backward (`torch_overlap.py`)."""
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from accum_optimizers import _keras_private
@@ -72,7 +73,7 @@ class WindowBackend(base.WindowBackend):
         if claimed:
             # Before any write: the backward's gradients must be the call's.
             overlap.claimed.check(grads, step.weight, step.scaled)
-        _write_counters(window, step)
+        assign(counter_writes(window, step))
         if step.enters is None or bool(step.enters):
             if not claimed:  # else the last backward added them
                 self._add(window, step, grads)
@@ -147,15 +148,15 @@ class WindowBackend(base.WindowBackend):
         return totals
 
 
-def _write_counters(window, step):
-    """The window's counters: those computed as tensors in one
-    `_foreach_copy_` (a kernel on a GPU, where an `assign` each is one
-    launch per counter), a Python number by `fill_`, without making a
-    tensor of it first."""
+@torch.no_grad()
+def assign(writes):
+    # The tensors in one `_foreach_copy_` (a kernel on a GPU, where an
+    # `assign` each is one launch each), a number by `fill_`, without
+    # making a tensor of it first.
     targets_, values = [], []
-    for variable, value in counter_writes(window, step):
+    for variable, value in writes:
         target = variable.value
-        if isinstance(value, (int, float)):
+        if isinstance(value, (int, float, np.generic)):
             target.fill_(value)
             continue
         targets_.append(target)

@@ -217,6 +217,20 @@ def in_tf_graph():
     return in_graph()
 
 
+def torch_host_value(value):
+    """`value` as a numpy array where it is a torch tensor numpy holds, in
+    one copy to the host (eager torch has no graph: it always has a
+    value); else `None`. Without `convert_to_numpy`'s checks, a dispatch
+    each on the micro-step's path."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(value, torch.Tensor):
+        return None
+    try:
+        return value.detach().cpu().numpy()
+    except TypeError:  # bfloat16, float8
+        return None
+
+
 def is_jax_tracer(value):
     """Whether `value` is a JAX tracer (inside `jax.jit`, a loop body...)."""
     import jax
@@ -322,6 +336,14 @@ def in_xla_context():
     return control_flow_util.GraphOrParentsInXlaContext(
         tf.compat.v1.get_default_graph()
     )
+
+
+def xla_unfused(tensor):
+    """`tensor`, which XLA computes apart from what reads it (its
+    `opt-barrier`): not fused into its consumers."""
+    from tensorflow.compiler.tf2xla.python import xla
+
+    return xla.optimization_barrier(tensor)[0]
 
 
 def strategy_needs_merge_call():

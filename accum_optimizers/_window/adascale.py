@@ -98,10 +98,10 @@ def close(optimizer, sq_norm, trace, window_weight):
 
 
 def advance(optimizer):
-    """`scale_invariant_step += gain`, after the update: a compensated
-    pair, as `samples_seen`."""
+    """The writes of `scale_invariant_step += gain`, after the update: a
+    compensated pair, as `samples_seen`."""
     window = optimizer._window
-    counts.add_compensated(
+    return counts.add_compensated(
         window.scale_invariant_step,
         window.scale_invariant_step_error,
         window.adascale_gain.value,

@@ -56,6 +56,11 @@ def close_window(optimizer, present=None):
         [window.sums[i].value for i in summed], extras, total_weight
     )
     loss_sum, seen, noise_sums = extras[0], extras[1], extras[2:]
+    known_weight = concrete_value(total_weight)
+    if known_weight is not None:
+        # Eagerly the scalar math below is Python's: each `keras.ops`
+        # call on a tensor is a dispatch or more.
+        total_weight = float(known_weight)
     updated, masks = _updated(seen, summed, present)
     # The big batch of a model whose layer was frozen mid-window does not
     # reach it either.
@@ -68,11 +73,13 @@ def close_window(optimizer, present=None):
     # A window whose micro-batches all weigh 0 (every sample weight or
     # token masked) has zero sums: a zero gradient, as the big batch's
     # `divide_no_nan`.
-    divisor = ops.where(ops.greater(total_weight, 0.0), total_weight, 1.0)
+    if isinstance(total_weight, float):
+        divisor = total_weight if total_weight > 0 else 1.0
+    else:
+        divisor = ops.where(ops.greater(total_weight, 0.0), total_weight, 1.0)
     # The norm from the sums, before the means replace them: read after,
     # XLA keeps every mean beside the sums.
     grad_norm = ops.divide(_global_norm(sums), divisor)
-    window.window_grad_norm.assign(grad_norm)
     replicas = _backend.replica_count(optimizer)
     if noise_sums:
         noise.close(optimizer, noise_sums, ops.square(grad_norm), total_weight)
@@ -86,7 +93,6 @@ def close_window(optimizer, present=None):
             noise.big_batch(optimizer, total_weight),
         )
     means = backend.mean([window.sums[i] for i in averaged], sums, divisor)
-    window.window_loss.assign(ops.divide(loss_sum, divisor))
     grads = dict(zip(averaged, means))
     for i in updated:
         if i not in grads:
@@ -102,15 +108,20 @@ def close_window(optimizer, present=None):
     samples = total_weight
     if replicas > 1 and optimizer._counts_weights:
         samples = ops.multiply(total_weight, float(replicas))
-    counts.add_compensated(
-        window.samples_seen, window.samples_seen_error, samples
-    )
+    writes = [
+        (window.window_grad_norm, grad_norm),
+        (window.window_loss, ops.divide(loss_sum, divisor)),
+        *counts.add_compensated(
+            window.samples_seen, window.samples_seen_error, samples
+        ),
+    ]
     if adascale.uses_adascale(optimizer):
-        adascale.advance(optimizer)
+        writes += adascale.advance(optimizer)
     # Between windows the pending weight is 0. Written last: without a
     # write at its end, XLA schedules the close's copies of the sums it
     # only reads beside the update's temporaries (`benchmarks/memory.py`).
-    window.total_weight.assign(ops.zeros_like(window.total_weight.value))
+    writes.append((window.total_weight, 0.0))
+    _backend.assign(writes)
 
 
 def flush(optimizer):

@@ -88,9 +88,10 @@ def regroup_window(optimizer, micro_steps):
 
 
 def add_compensated(total, error, added):
-    """`total += added` for a float32 pair of variables whose sum stays
-    exact (Knuth's two-sum, the lost low bits kept in `error`), where a
-    float32 total stops counting small additions past 2**24."""
+    """The writes (`(variable, value)` pairs) of `total += added` for a
+    float32 pair of variables whose sum stays exact (Knuth's two-sum, the
+    lost low bits kept in `error`), where a float32 total stops counting
+    small additions past 2**24."""
     operands = (total.value, error.value, added)
     known = [concrete_value(value) for value in operands]
     if all(value is not None for value in known):
@@ -101,5 +102,4 @@ def add_compensated(total, error, added):
     after = before + added
     kept = after - before
     lost = (before - (after - kept)) + (added - kept)
-    total.assign(after)
-    error.assign(lost_before + lost)
+    return [(total, after), (error, lost_before + lost)]

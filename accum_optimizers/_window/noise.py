@@ -9,6 +9,9 @@ averages. `docs/noise-scale.md` derives the estimates, for weighted
 micro-batches and for the replicas of `tf.distribute`.
 """
 
+import math
+import operator
+
 import numpy as np
 from keras import ops
 
@@ -46,8 +49,7 @@ def close(optimizer, sums, big_sq_norm, total_weight):
     if all(value is not None for value in known):
         # Eagerly, a dozen scalars: their arithmetic on the host, where
         # each `keras.ops` call is a dispatch or more.
-        with np.errstate(all="ignore"):
-            values = _new_values(optimizer, np, [np.float64(v) for v in known])
+        values = _new_values(optimizer, _OnHost, [float(v) for v in known])
         values = [np.float32(value) for value in values]
     else:
         values = _new_values(optimizer, ops, inputs)
@@ -57,14 +59,32 @@ def close(optimizer, sums, big_sq_norm, total_weight):
         *_averages(window),
         window.largest_noise_scale,
     )
-    for variable, value in zip(written, values):
-        variable.assign(value)
+    _backend.assign(zip(written, values))
+
+
+class _OnHost:
+    """What `_new_values` calls of `keras.ops`, on Python floats (IEEE
+    float64, as numpy's scalars, without a ufunc's cost per call). Every
+    division it makes is by a value its `where` made nonzero."""
+
+    where = staticmethod(lambda condition, x, y: x if condition else y)
+    divide = staticmethod(operator.truediv)
+    subtract = staticmethod(operator.sub)
+    multiply = staticmethod(operator.mul)
+    greater_equal = staticmethod(operator.ge)
+    logical_and = staticmethod(lambda x, y: bool(x) and bool(y))
+    isfinite = staticmethod(math.isfinite)
+
+    @staticmethod
+    def maximum(x, y):
+        # NaN wins, as in numpy.
+        return math.nan if math.isnan(x) or math.isnan(y) else max(x, y)
 
 
 def _new_values(optimizer, xp, inputs):
     """The values `close` writes (the window's two estimates, the three
     averages, the largest noise scale), from its `inputs`, in `xp`
-    (`numpy` or `keras.ops`)."""
+    (`_OnHost` or `keras.ops`)."""
     (
         sq_norm_sum,
         inverse_weight_sum,
@@ -107,7 +127,7 @@ def big_batch(optimizer, total_weight):
 def ready(optimizer, weight, xp=ops):
     """Whether averages of total `weight` hold the `warmup_windows` of a
     `by_noise_scale` schedule (any estimate without one): the first
-    estimates are too noisy to grow a window on (in `xp`, `numpy` or
+    estimates are too noisy to grow a window on (in `xp`, `_OnHost` or
     `keras.ops`)."""
     schedule = optimizer._accum_schedule
     warmup = 0
@@ -167,7 +187,7 @@ def _averages(window):
 def _ratio(xp, sq_norm, trace, weight):
     """`trace / sq_norm` of two averages of total `weight`: NaN without an
     estimate, infinite where the average `|G|^2` is not positive (in
-    `xp`, `numpy` or `keras.ops`)."""
+    `xp`, `_OnHost` or `keras.ops`)."""
     ratio = xp.where(
         sq_norm > 0,
         xp.divide(trace, xp.where(sq_norm > 0, sq_norm, 1.0)),
@@ -242,7 +262,7 @@ def _window_estimates(
     a window's micro-batch gradients and their mean.
 
     Args:
-        xp: `numpy` or `keras.ops`, which computes them.
+        xp: `_OnHost` or `keras.ops`, which computes them.
         sq_norm_sum: the sum of its micro-batches' squared gradient norms.
         inverse_weight_sum: the sum of `1 / n_j`, their weights'.
         count: how many micro-batches it holds (`m`; under tf.distribute,

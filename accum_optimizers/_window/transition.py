@@ -140,7 +140,7 @@ def micro_step(
     counted = 1.0 if weight is None else ops.cast(weight, "float32")
     loss = micro_batch.loss
     # A micro-batch without its loss makes its window report none.
-    loss = float("nan") if loss is None else ops.cast(loss, "float32")
+    loss = float("nan") if loss is None else loss
     weighted_loss = loss if weight is None else loss * counted
     present = [i for i, grad in enumerate(grads) if grad is not None]
     if len(present) == len(grads) and agreed is None:
@@ -203,7 +203,13 @@ def _left_out(window, micro_batch):
 def _noise_sums(window, opens, squares, micro_batch, agreed, replicas):
     """The window's noise sums after the micro-batch (`noise.py` turns
     them into estimates at the close)."""
-    sq_norm = ops.sum(squares)
+    known = concrete_value(squares)
+    if known is None:
+        sq_norm = ops.sum(squares)
+    else:
+        # Eagerly, one read of a few numbers to the host, where a
+        # `keras.ops` call is a dispatch or more.
+        sq_norm = np.float32(known.sum(dtype="float32"))
     if replicas > 1:
         # A replica's gradient arrives divided by the replica count (as
         # Keras' losses scale it): its share's own mean is R times it.
