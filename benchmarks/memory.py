@@ -65,6 +65,19 @@ REPLICAS = 2
 # free): `--repeats` processes each, their median reported.
 ALLOCATOR_MODES = ("tensorflow", "tensorflow-mirrored")
 CONFIGS = ["parent", "ours_k4", "keras_builtin_k4", "parent_4b"]
+# Measured on request (`--configs`): ours with a feature.
+FEATURE_CONFIGS = {
+    "ours_k4_skip": {"skip_nonfinite": True},
+    "ours_k4_noise": {"measure_noise_scale": True},
+}
+# The table's columns, in order: each configuration's `extra / sums`.
+COLUMNS = {
+    "ours_k4": "ours k=4",
+    "ours_k4_skip": "ours k=4 skip",
+    "ours_k4_noise": "ours k=4 noise scale",
+    "keras_builtin_k4": "Keras k=4",
+    "parent_4b": "parent 4b",
+}
 K = 4
 WINDOW = "measured window"
 # `--smoke`: workload sizes for the tests (seconds); flags still override.
@@ -85,7 +98,12 @@ def parse(argv=None):
     parser.add_argument(
         "--workloads", nargs="+", default=["mlp", "transformer"]
     )
-    parser.add_argument("--configs", nargs="+", default=CONFIGS)
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=CONFIGS,
+        choices=CONFIGS + list(FEATURE_CONFIGS),
+    )
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--mlp-width", type=int, default=2048)
     parser.add_argument("--mlp-depth", type=int, default=5)
@@ -147,9 +165,13 @@ def make_optimizer(config):
 
     if config == "ours_k4":
         return AdamAccumulate(accum_iters=K)
+    if config in FEATURE_CONFIGS:
+        return AdamAccumulate(accum_iters=K, **FEATURE_CONFIGS[config])
     if config == "keras_builtin_k4":
         return keras.optimizers.Adam(gradient_accumulation_steps=K)
-    return keras.optimizers.Adam()
+    if config in ("parent", "parent_4b"):
+        return keras.optimizers.Adam()
+    raise ValueError(f"Unknown configuration: {config!r}")
 
 
 def nbytes(variables):
@@ -488,15 +510,20 @@ def mib(count):
 def table(records):
     """Markdown: per mode and workload, each configuration's peak (or
     state) and `extra / sums` against the parent at `b`."""
+    measured = {r.get("config") for r in records}
+    columns = [c for c in COLUMNS if c in CONFIGS or c in measured]
     lines = [
-        "| mode | workload | measured | sums MiB | parent b MiB | ours k=4 "
-        "extra/sums | Keras k=4 extra/sums | parent 4b extra/sums |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mode | workload | measured | sums MiB | parent b MiB | "
+        + " | ".join(f"{COLUMNS[c]} extra/sums" for c in columns)
+        + " |",
+        "|---" * (5 + len(columns)) + "|",
     ]
     groups = {}
     for record in records:
         if "error" in record:
-            lines.append(f"| {record['mode']} | error | | | | | | |")
+            lines.append(
+                f"| {record['mode']} | error |" + " |" * (3 + len(columns))
+            )
             continue
         groups.setdefault((record["mode"], record["workload"]), {})[
             record["config"]
@@ -510,14 +537,15 @@ def table(records):
             config: f"{(configs[config][key] - base) / sums:.2f}"
             if config in configs
             else "n/a"
-            for config in ("ours_k4", "keras_builtin_k4", "parent_4b")
+            for config in columns
         }
         if not peaks:  # a larger batch holds no more state
             ratios["parent_4b"] = "n/a"
         lines.append(
             f"| {mode} | {workload} | {'peak' if peaks else 'state only'} "
-            f"| {mib(sums)} | {mib(base)} | {ratios['ours_k4']} "
-            f"| {ratios['keras_builtin_k4']} | {ratios['parent_4b']} |"
+            f"| {mib(sums)} | {mib(base)} | "
+            + " | ".join(ratios[c] for c in columns)
+            + " |"
         )
     return "\n".join(lines)
 

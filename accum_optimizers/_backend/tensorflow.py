@@ -217,7 +217,11 @@ def _xla_cpu_sum_of_squares(tensor):
     tensor in a vectorized loop, but with the squares fused into it in a
     scalar one, several times slower than the buffer of squares costs. In
     rows of `_ROW` first where they divide it: a float32 sum of a few
-    long vectorized runs loses more bits than one of rows."""
+    long vectorized runs loses more bits than one of rows. A tensor of
+    dynamic shape (an embedding's merged rows) is summed fused: XLA's
+    barrier does not take one."""
+    if not tensor.shape.is_fully_defined():
+        return tf.reduce_sum(tf.square(tensor))
     squares = _keras_private.xla_unfused(tf.square(tf.reshape(tensor, [-1])))
     size = squares.shape[0]
     if size is not None and size > _ROW and size % _ROW == 0:

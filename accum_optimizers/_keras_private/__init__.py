@@ -225,9 +225,11 @@ def torch_host_value(value):
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(value, torch.Tensor):
         return None
+    if value.requires_grad:
+        value = value.detach()
     try:
-        return value.detach().cpu().numpy()
-    except TypeError:  # bfloat16, float8
+        return value.cpu().numpy()
+    except (TypeError, RuntimeError):  # bfloat16, float8; a fake tensor
         return None
 
 
