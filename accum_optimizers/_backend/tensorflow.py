@@ -204,12 +204,16 @@ def sums_of_squares(tensors):
     ]
     if not tensors:
         return tf.zeros((0,), "float32")
-    on_cpu = not tf.config.list_logical_devices("GPU")
-    if on_cpu and _keras_private.in_xla_context():
+    # XLA first: an eager micro-step asks no device list.
+    if _keras_private.in_xla_context() and _on_cpu():
         return tf.stack([_xla_cpu_sum_of_squares(t) for t in tensors])
     # `L2Loss` is one kernel without a temporary, where a square then a sum
     # are two and a buffer the size of the tensor.
     return tf.stack([2.0 * tf.nn.l2_loss(t) for t in tensors])
+
+
+def _on_cpu():
+    return not tf.config.list_logical_devices("GPU")
 
 
 def _xla_cpu_sum_of_squares(tensor):
