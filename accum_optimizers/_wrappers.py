@@ -165,9 +165,32 @@ def _noting_scale_loss(scale_loss):
         # inner optimizer's `window_loss` needs it too.
         if is_accumulating_class(self.inner_optimizer):
             note_loss(self.inner_optimizer, loss)
+            saved = _saved_scale(self)
+            if saved is not None:
+                # Unbuilt, Keras scales by `initial_scale`; but `apply`
+                # builds it, restores the saved scale and unscales by that.
+                return keras.ops.multiply(loss, saved)
         return scale_loss(self, loss)
 
     return noting_scale_loss
+
+
+def _saved_scale(optimizer):
+    """The loss scale a `LossScaleOptimizer` loaded before it was built
+    will restore in `build` (`_restoring_build`), or `None`."""
+    if optimizer.built:
+        return None
+    pending = _PENDING_SCALE_STATE.get(optimizer)
+    inner = pending_restore(optimizer.inner_optimizer)
+    if pending is None or inner is None:
+        return None
+    saved = pending[: len(pending) - len(inner)]
+    # `build` adds `step_counter`, then `dynamic_scale`, after the
+    # variables the constructor made.
+    index = len(optimizer._variables) + 1
+    if len(saved) != index + 1 or np.shape(saved[index]) != ():
+        return None  # `build` refuses the state, naming why
+    return float(saved[index])
 
 
 def _install_multi_optimizer():

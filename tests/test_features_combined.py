@@ -289,15 +289,24 @@ def mixed_float16():
     keras.mixed_precision.set_global_policy("float32")
 
 
-def test_weights_only_resume_keeps_the_loss_scale(tmp_path, mixed_float16):
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_weights_only_resume_keeps_the_loss_scale(
+    tmp_path, mixed_float16, run_eagerly
+):
     # Large targets overflow float16 at the initial scale: the scale halves
-    # and steps are skipped, so a restarted scale trains differently.
+    # and steps are skipped, so a restarted scale trains differently. Run
+    # eagerly, the first step after the load scales its loss before the
+    # loss scale is built (and restored), and must use the saved scale.
     x, y = regression_data(0, 40)
     y = y * 300.0
 
     def make():
         model = small_model(0)
-        model.compile(optimizer=AdamAccumulate(1e-2, accum_iters=3), loss="mse")
+        model.compile(
+            optimizer=AdamAccumulate(1e-2, accum_iters=3),
+            loss="mse",
+            run_eagerly=run_eagerly,
+        )
         return model
 
     with warnings.catch_warnings():
