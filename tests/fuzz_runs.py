@@ -37,6 +37,8 @@ import keras
 import numpy as np
 from helpers import noise_estimate_scales
 from helpers import noise_estimates
+from helpers import small_embedding_model
+from helpers import small_embedding_model_gradients
 from helpers import small_model
 from helpers import small_model_gradients
 from helpers import to_numpy
@@ -101,6 +103,10 @@ class Run:
     # An AdaScale learning rate (SGD, with `noise`): the base batch is one
     # micro-batch (its samples in weighted windows).
     adascale: bool = False
+    # "dense" (`helpers.small_model`) or "embedding"
+    # (`helpers.small_embedding_model`, whose gradient on TensorFlow is an
+    # `IndexedSlices`).
+    model: str = "dense"
 
     @property
     def micro_batches(self):
@@ -130,7 +136,16 @@ def data(run):
     x = rng.normal(size=(run.samples, 4)).astype("float32")
     y = rng.normal(size=(run.samples, 2)).astype("float32")
     for j in run.bad:
-        x[j * run.micro_batch, 0] = np.nan  # its loss and gradients are NaN
+        # Its loss and gradients are NaN.
+        if run.model == "embedding":
+            y[j * run.micro_batch, 0] = np.nan
+        else:
+            x[j * run.micro_batch, 0] = np.nan
+    if run.model == "embedding":
+        tokens = np.random.default_rng(SEED + 1).integers(
+            0, 7, size=(run.samples, 3)
+        )
+        x = tokens.astype("int32")
     if not run.sample_weight:
         return x, y, None
     if run.reduction == "mean_with_sample_weight":
@@ -176,8 +191,17 @@ def _loss(run):
     return keras.losses.MeanSquaredError(reduction=run.reduction)
 
 
-def _model():
+def make_model(run=None):
+    if run is not None and run.model == "embedding":
+        return small_embedding_model(SEED)
     return small_model(SEED)
+
+
+def model_gradients(run):
+    """The numpy gradients of the run's model (`helpers`)."""
+    if run.model == "embedding":
+        return small_embedding_model_gradients
+    return small_model_gradients
 
 
 def _compile_ours(run, model):
@@ -235,14 +259,14 @@ def outcome(model, logged=()):
 
 def initial_weights(run):
     keras.config.set_dtype_policy(run.policy)
-    return _model().get_weights()
+    return make_model(run).get_weights()
 
 
 def train_ours(run, tmp_path):
     """Trains the run with our optimizer in `fit`; returns its outcome."""
     keras.config.set_dtype_policy(run.policy)
     x, y, w = data(run)
-    model = _compile_ours(run, _model())
+    model = _compile_ours(run, make_model(run))
     windows = []
     noise_logged = []  # (update, noise_scale) as the logger recorded them
 
@@ -306,7 +330,7 @@ def _resumed(run, model, tmp_path):
         return keras.models.load_model(path)
     path = os.path.join(tmp_path, "run.weights.h5")
     model.save_weights(path)
-    fresh = _compile_ours(run, _model())
+    fresh = _compile_ours(run, make_model(run))
     fresh.load_weights(path)
     return fresh
 
@@ -404,11 +428,13 @@ def _train_parent(run):
     x, y, w = data(run)
     _, parent_cls, options = _options(run)
     optimizer = parent_cls(**options)
+    if run.model == "embedding" and BACKEND == "tensorflow":
+        _take_dense_gradients(optimizer)
     if run.loss_scaled:
         optimizer = keras.optimizers.LossScaleOptimizer(
             optimizer, initial_scale=LOSS_SCALE
         )
-    model = _model()
+    model = make_model(run)
     model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
     losses = []
     ones = np.ones(run.samples, "float64")
@@ -461,6 +487,25 @@ def _train_parent(run):
         "windows": windows,
         "noise": noise,
     }
+
+
+def _take_dense_gradients(optimizer):
+    """Makes the parent `optimizer` apply an embedding's `IndexedSlices`
+    gradient made dense: TensorFlow's Adam and RMSprop square its slices
+    before adding the rows that repeat, and the window's mean is the dense
+    big-batch gradient, as on JAX and torch (docs/uneven-batches.md)."""
+    import tensorflow as tf
+
+    apply = optimizer.apply
+
+    def dense_apply(grads, trainable_variables=None):
+        grads = [
+            tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+            for g in grads
+        ]
+        return apply(grads, trainable_variables)
+
+    optimizer.apply = dense_apply
 
 
 def _last_window_loss(run, windows, losses):
@@ -537,7 +582,7 @@ class NoiseOracle:
             rows = _rows(self.run, j)
             sample = np.ones(len(rows)) if self.w is None else self.w[rows]
             grads.append(
-                small_model_gradients(
+                model_gradients(self.run)(
                     weights, self.x[rows], self.y[rows], sample / n
                 )
             )
@@ -826,7 +871,7 @@ def train_ours_to_memory(run, injector_class):
     """`fit_to_memory` with the run's injected errors; its outcome."""
     x, y, w = data(Run(samples=run.samples, sample_weight=run.sample_weight))
     cls, _, options = _options(Run(optimizer=run.optimizer))
-    model = _model()
+    model = make_model()
     if run.in_backward:
         from test_fit_to_memory import tapped_model
 
@@ -861,7 +906,7 @@ def train_parent_to_memory(run):
     consecutive samples, each epoch's short last one at its end."""
     x, y, w = data(Run(samples=run.samples, sample_weight=run.sample_weight))
     _, parent_cls, options = _options(Run(optimizer=run.optimizer))
-    model = _model()
+    model = make_model()
     model.compile(
         optimizer=parent_cls(**options), loss="mse", jit_compile=False
     )

@@ -41,6 +41,21 @@ def small_model(seed, in_dim=4, hidden=6, out_dim=2, activation="tanh"):
     )
 
 
+def small_embedding_model(seed, vocabulary=7, tokens=3, dim=3, out_dim=2):
+    """A small model whose first layer is an `Embedding` (its gradient an
+    `IndexedSlices` on TensorFlow), weights fixed by `seed`: the tokens'
+    vectors averaged, then a dense layer."""
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((tokens,), dtype="int32"),
+            keras.layers.Embedding(vocabulary, dim),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(out_dim),
+        ]
+    )
+
+
 def regression_data(seed, n, in_dim=4, out_dim=2):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(n, in_dim)).astype("float32")
@@ -464,6 +479,25 @@ def small_model_gradients(weights, x, y, coefficients):
         hidden.T @ upstream,
         upstream.sum(0),
     ]
+
+
+def small_embedding_model_gradients(weights, x, y, coefficients):
+    """`small_model_gradients` for `small_embedding_model` (weights:
+    embeddings, kernel, bias; `x` the tokens): numpy, float64, by hand."""
+    table, kernel, bias = (np.asarray(w, "float64") for w in weights)
+    tokens, y = np.asarray(x), np.asarray(y, "float64")
+    pooled = table[tokens].mean(axis=1)
+    upstream = (
+        np.asarray(coefficients, "float64")[:, None]
+        * 2.0
+        * (pooled @ kernel + bias - y)
+        / y.shape[1]
+    )
+    table_grad = np.zeros_like(table)
+    per_token = (upstream @ kernel.T) / tokens.shape[1]
+    for position in range(tokens.shape[1]):
+        np.add.at(table_grad, tokens[:, position], per_token)
+    return [table_grad, pooled.T @ upstream, upstream.sum(0)]
 
 
 def _noise_terms(window, weights):

@@ -24,7 +24,6 @@ import os
 import keras
 import numpy as np
 import pytest
-from fuzz_runs import SEED
 from fuzz_runs import AmbiguousWindow
 from fuzz_runs import MemoryRun
 from fuzz_runs import Run
@@ -32,14 +31,14 @@ from fuzz_runs import assert_same_noise
 from fuzz_runs import assert_same_run
 from fuzz_runs import data
 from fuzz_runs import initial_weights
+from fuzz_runs import make_model
+from fuzz_runs import model_gradients
 from fuzz_runs import pending_at_resume
 from fuzz_runs import train_ours
 from fuzz_runs import train_ours_to_memory
 from fuzz_runs import train_parent
 from fuzz_runs import train_parent_to_memory
 from helpers import assert_all_close
-from helpers import small_model
-from helpers import small_model_gradients
 from helpers import to_numpy
 from hypothesis import assume
 from hypothesis import given
@@ -99,6 +98,7 @@ def runs(draw):
         if BACKEND == "torch"
         else draw(st.sampled_from([1, 1, 2, 4])),
         logger=draw(st.booleans()),
+        model=draw(st.sampled_from(["dense", "dense", "embedding"])),
     )
     if run.policy != "float32":
         # Adam's and RMSprop's first steps are near `lr * sign(g)`: a
@@ -340,22 +340,25 @@ def test_fit_to_memory_after_a_last_probe_that_does_not_fit():
 # -- The gradient noise scale's oracle, and runs that always measure it --------
 
 
-def test_the_noise_oracle_s_numpy_gradients_are_the_backend_s():
-    """`helpers.small_model_gradients` (the noise oracle's micro-batch
+@pytest.mark.parametrize("kind", ["dense", "embedding"])
+def test_the_noise_oracle_s_numpy_gradients_are_the_backend_s(kind):
+    """`helpers.small_model_gradients` and
+    `small_embedding_model_gradients` (the noise oracle's micro-batch
     gradients) against the backend's autodiff (`loops.gradients`, of the
     mean squared error over a batch): on a batch, and weighted, on the
     samples repeated as often as their weight says."""
     from loops import gradients
 
-    x, y, _ = data(Run(samples=6))
-    model = small_model(SEED)
+    run = Run(samples=6, model=kind)
+    x, y, _ = data(run)
+    model = make_model(run)
     repeats = np.array([1, 0, 3, 1, 2, 1])
     for coefficients, rows in (
         (np.full(6, 1 / 6), np.arange(6)),
         (repeats / repeats.sum(), np.repeat(np.arange(6), repeats)),
     ):
         assert_all_close(
-            small_model_gradients(model.get_weights(), x, y, coefficients),
+            model_gradients(run)(model.get_weights(), x, y, coefficients),
             to_numpy(list(gradients(model, x[rows], y[rows]))),
             rtol=1e-5,
             atol=1e-6,
