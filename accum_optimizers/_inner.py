@@ -107,3 +107,23 @@ def refuse_skips_with_accum_batch_norm(model, optimizers):
                 "micro-batch to its window in the forward pass, before the "
                 "optimizer decides to skip it."
             )
+
+
+def refuse_accum_batch_norm_in_planning(model):
+    """`fit_to_memory` and `plan_micro_batch` choose the window size, and
+    recovery re-cuts the window and runs a failed micro-batch again, but an
+    `AccumBatchNormalization` counts its own window, of its own
+    `accum_iters`, in the forward pass."""
+    for layer in _keras_private.sublayers(model):
+        if isinstance(layer, AccumBatchNormalization) and layer.accum_iters > 1:
+            raise ValueError(
+                "fit_to_memory cannot plan a model with "
+                f"AccumBatchNormalization layer '{layer.name}' "
+                f"(accum_iters={layer.accum_iters}): the layer counts its "
+                "own windows in the forward pass, so the window "
+                "fit_to_memory chooses, and re-cuts after an out-of-memory "
+                "error, would fall out of step with them, and a micro-batch "
+                "run again after the error would enter its statistics "
+                "twice. Use `keras.layers.BatchNormalization`, or "
+                "`model.fit` with a fixed `accum_iters`."
+            )

@@ -14,6 +14,7 @@ from accum_optimizers import schedules
 from accum_optimizers._backend import SUPPORTS_MEMORY_ANALYSIS
 from accum_optimizers._backend import compiled_peak
 from accum_optimizers._inner import accumulating_optimizers
+from accum_optimizers._inner import refuse_accum_batch_norm_in_planning
 from accum_optimizers._memory import format_bytes
 from accum_optimizers._memory import memory_limit_bytes
 from accum_optimizers._memory import probe
@@ -245,6 +246,7 @@ def _prepared_optimizers(model):
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
         raise ValueError("fit_to_memory: compile the model first.")
+    refuse_accum_batch_norm_in_planning(model)
     optimizers = accumulating_optimizers(optimizer)
     if not optimizers or len(optimizers) != _inner_count(optimizer):
         raise ValueError(

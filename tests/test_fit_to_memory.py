@@ -21,6 +21,7 @@ from helpers import small_model
 from helpers import to_numpy
 from helpers import window_state
 
+from accum_optimizers import AccumBatchNormalization
 from accum_optimizers import AdamAccumulate
 from accum_optimizers import MicroBatchPlan
 from accum_optimizers import fit_to_memory
@@ -636,6 +637,29 @@ def test_an_optimizer_built_without_window_state_is_refused():
     model.optimizer.build(model.trainable_variables)  # accum_iters=1
     with pytest.raises(ValueError, match="accum_iters=1"):
         fit_to_memory(model, x, y, target_batch_size=4, verbose=0)
+
+
+def test_accum_batch_normalization_is_refused_naming_the_layer():
+    # The layer counts its own window in the forward pass: fit_to_memory's
+    # window, and a micro-batch run again after a recovery, would not be
+    # its.
+    x, y = regression_data(10, 8)
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(3),
+            AccumBatchNormalization(accum_iters=2, name="bn"),
+            keras.layers.Dense(2),
+        ]
+    )
+    model = compiled(model, AdamAccumulate(accum_iters=2))
+    weights = model.get_weights()
+    with pytest.raises(ValueError, match="'bn' \\(accum_iters=2\\)"):
+        fit_to_memory(model, x, y, target_batch_size=4, verbose=0)
+    with pytest.raises(ValueError, match="'bn' \\(accum_iters=2\\)"):
+        plan_micro_batch(model, x, y, target_batch_size=4)
+    for before, after in zip(weights, model.get_weights()):
+        np.testing.assert_array_equal(after, before)
 
 
 def test_inputs_other_than_arrays_are_refused_by_type():
