@@ -3,17 +3,11 @@ the one a `LossScaleOptimizer` wraps, or those of a `MultiOptimizer`; and
 a `MultiOptimizer`'s update count; a model's, checked for the callbacks.
 Used by the callbacks, the planner and `weigh_micro_batches`."""
 
-import weakref
-
 import keras
 
 from accum_optimizers import _keras_private
 from accum_optimizers._accumulation import GradientAccumulation
 from accum_optimizers.layers import AccumBatchNormalization
-
-# The `MultiOptimizer`s whose `apply` `count_updates_in_multi_optimizer`
-# wrapped, held weakly: an entry goes with its optimizer.
-_COUNTING_UPDATES = weakref.WeakSet()
 
 
 def accumulating_optimizers(optimizer):
@@ -37,44 +31,37 @@ def accumulating_optimizers(optimizer):
     return [o for o in inner if isinstance(o, GradientAccumulation)]
 
 
-def count_updates_in_multi_optimizer(optimizer, sync=True):
-    """Makes a `MultiOptimizer` of accumulating optimizers count applied
-    updates in `iterations`, as its inner optimizers do.
+def count_updates_in_multi_optimizer(optimizer):
+    """Sets a `MultiOptimizer`'s `iterations` to the applied updates of its
+    accumulating optimizers, as its patched `apply` does after each call
+    (`_wrappers.py`): now, for a `flush()` run since.
 
     Keras' `MultiOptimizer.apply` adds 1 to its `iterations` on every call,
     a micro-batch. When every inner optimizer accumulates with the same
-    `accum_iters`, they update together, and `iterations` is set to their
-    count after each call (and now, for a `flush()` run since). Otherwise
-    the inner optimizers count differently, and `iterations` is left as
-    Keras counts it. Does nothing for other optimizers; idempotent.
+    `accum_iters`, they update together, and `iterations` is their count.
+    Otherwise they count differently, and `iterations` is left as Keras
+    counts it. Does nothing for other optimizers.
 
     Args:
         optimizer: a `keras.optimizers.Optimizer`.
-        sync: Boolean. Also set `iterations` now (eagerly). Defaults to
-            `True`.
     """
-    if not _keras_private.is_multi_optimizer(optimizer):
-        return
-    inner = optimizer.optimizers
-    accumulating = accumulating_optimizers(optimizer)
-    if not accumulating or len(accumulating) != len(inner):
-        return
-    configs = {repr(o.accum_iters) for o in accumulating}
-    if len(configs) != 1:
-        return
-    reference = accumulating[0]
-    if optimizer not in _COUNTING_UPDATES:
-        apply = optimizer.apply
-
-        def counting_apply(grads, trainable_variables=None):
-            apply(grads, trainable_variables)
-            if reference.built:
-                optimizer.iterations.assign(reference.iterations)
-
-        optimizer.apply = counting_apply
-        _COUNTING_UPDATES.add(optimizer)
-    if sync and optimizer.built and reference.built:
+    reference = shared_window_optimizer(optimizer)
+    if reference is not None and optimizer.built and reference.built:
         optimizer.iterations.assign(reference.iterations)
+
+
+def shared_window_optimizer(optimizer):
+    """The first inner optimizer of a `MultiOptimizer` whose inner
+    optimizers all accumulate with the same `accum_iters` (they update
+    together), or `None`."""
+    if not _keras_private.is_multi_optimizer(optimizer):
+        return None
+    accumulating = accumulating_optimizers(optimizer)
+    if not accumulating or len(accumulating) != len(optimizer.optimizers):
+        return None
+    if len({repr(o.accum_iters) for o in accumulating}) != 1:
+        return None
+    return accumulating[0]
 
 
 def accumulating_of_model(model, caller):

@@ -39,6 +39,7 @@ from accum_optimizers import _inputs
 from accum_optimizers import _keras_private
 from accum_optimizers._accumulation import GradientAccumulation
 from accum_optimizers._backend import outside_compiled_code
+from accum_optimizers._inner import shared_window_optimizer
 from accum_optimizers._validation import concrete_value
 from accum_optimizers._validation import validate_gradient
 from accum_optimizers._validation import validate_loss
@@ -221,10 +222,16 @@ def _install_multi_optimizer():
             for optimizer in skipping:
                 _inputs.put_finite(optimizer, finite)
         try:
-            return apply(self, grads, trainable_variables)
+            result = apply(self, grads, trainable_variables)
         finally:
             for optimizer in skipping:
                 _inputs.discard(optimizer)
+        # Keras counts micro-batches; inner optimizers that update together
+        # count updates, as the big batch's `MultiOptimizer` does.
+        reference = shared_window_optimizer(self)
+        if reference is not None and reference.built:
+            self.iterations.assign(reference.iterations)
+        return result
 
     agreeing_apply.__doc__ = apply.__doc__
     cls.scale_loss = noting_scale_loss

@@ -26,7 +26,6 @@ from accum_optimizers import _keras_private
 from accum_optimizers._backend import COMPILER_RETRACES_EACH_HAND_OVER
 from accum_optimizers._backend import asserted_normalizer
 from accum_optimizers._inner import accumulating_optimizers
-from accum_optimizers._inner import count_updates_in_multi_optimizer
 from accum_optimizers._validation import concrete_value
 from accum_optimizers._validation import validate_weighable
 
@@ -86,7 +85,6 @@ def weigh_micro_batches(model):
         if not training or not optimizers:
             return compute_loss(x, y, y_pred, sample_weight, **kwargs)
         _refuse_torch_compile(model)
-        count_updates_in_multi_optimizer(model.optimizer, sync=False)
         with _keras_private.recorded_loss_reductions() as reductions:
             loss = compute_loss(x, y, y_pred, sample_weight, **kwargs)
         weight, checked, poisoned = _checked_normalizer(

@@ -107,6 +107,9 @@ class Run:
     # (`helpers.small_embedding_model`, whose gradient on TensorFlow is an
     # `IndexedSlices`).
     model: str = "dense"
+    # A `MultiOptimizer`: the model's last layer gets the second optimizer
+    # (`MULTI_SECOND`), the other layers the drawn one; both accumulate.
+    multi: bool = False
 
     @property
     def micro_batches(self):
@@ -192,9 +195,12 @@ def _loss(run):
 
 
 def make_model(run=None):
+    # A `MultiOptimizer` maps the last layer by its path, which a loaded
+    # model must keep.
+    head_name = "head" if run is not None and run.multi else None
     if run is not None and run.model == "embedding":
-        return small_embedding_model(SEED)
-    return small_model(SEED)
+        return small_embedding_model(SEED, head_name=head_name)
+    return small_model(SEED, head_name=head_name)
 
 
 def model_gradients(run):
@@ -218,6 +224,16 @@ def _compile_ours(run, model):
         skip_nonfinite=run.skip,
         **options,
     )
+    if run.multi:
+        second_cls, _, second_options = _options(
+            dataclasses.replace(run, optimizer=MULTI_SECOND)
+        )
+        second = second_cls(
+            accum_iters=accum_iters_argument(run),
+            skip_nonfinite=run.skip,
+            **second_options,
+        )
+        optimizer = _multi_optimizer(model, optimizer, second)
     if run.loss_scaled:
         optimizer = keras.optimizers.LossScaleOptimizer(
             optimizer, initial_scale=LOSS_SCALE
@@ -232,29 +248,57 @@ def _compile_ours(run, model):
     return model
 
 
+MULTI_SECOND = "sgd"
+
+
+def _multi_optimizer(model, first, second):
+    """A `MultiOptimizer`: `second` for the model's last layer, `first` for
+    the others."""
+    return keras.optimizers.MultiOptimizer(
+        keras.optimizers.OptimizerMap(
+            first, {f".*/{model.layers[-1].name}/.*": second}
+        )
+    )
+
+
 def adascale_base(run):
     """AdaScale's base batch in the noise scale's unit: one micro-batch."""
     return float(run.micro_batch) if run.weighted else 1.0
 
 
 def accumulating(model):
+    """The model's accumulating optimizer (the first of a
+    `MultiOptimizer`'s)."""
+    return accumulating_ones(model)[0]
+
+
+def accumulating_ones(model):
+    """The model's accumulating optimizers: one, or a `MultiOptimizer`'s."""
     optimizer = model.optimizer
-    return getattr(optimizer, "inner_optimizer", optimizer)
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    return list(getattr(optimizer, "optimizers", [optimizer]))
 
 
 def outcome(model, logged=()):
     """What a run ends with, as `assert_same_run` compares it: the weights,
     the optimizer's counters and last window's loss, and the
-    `(update, window loss)` pairs a logger recorded."""
-    optimizer = accumulating(model)
-    return {
-        "weights": model.get_weights(),
-        "iterations": int(to_numpy(optimizer.iterations)),
-        "skipped": int(to_numpy(optimizer.skipped_micro_batches)),
-        "samples_seen": float(to_numpy(optimizer.samples_seen)),
-        "window_loss": float(to_numpy(optimizer.window_loss)),
-        "logged": list(logged),
-    }
+    `(update, window loss)` pairs a logger recorded. A `MultiOptimizer`'s
+    optimizers count alike (checked here), and its `iterations` counts
+    their updates."""
+    counts = [
+        {
+            "iterations": int(to_numpy(optimizer.iterations)),
+            "skipped": int(to_numpy(optimizer.skipped_micro_batches)),
+            "samples_seen": float(to_numpy(optimizer.samples_seen)),
+            "window_loss": float(to_numpy(optimizer.window_loss)),
+        }
+        for optimizer in accumulating_ones(model)
+    ]
+    if len(counts) > 1:
+        assert all(other == counts[0] for other in counts[1:]), counts
+        iterations = int(to_numpy(model.optimizer.iterations))
+        assert iterations == counts[0]["iterations"], (iterations, counts)
+    return {"weights": model.get_weights(), **counts[0], "logged": list(logged)}
 
 
 def initial_weights(run):
@@ -312,7 +356,8 @@ def train_ours(run, tmp_path):
         if run.accum_after is not None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # what the next line does
-                accumulating(model).accum_iters = run.accum_after
+                for optimizer in accumulating_ones(model):
+                    optimizer.accum_iters = run.accum_after
             # A compiled train function keeps the window size it was
             # traced with (the setter's warning says so).
             model.make_train_function(force=True)
@@ -427,14 +472,28 @@ def _train_parent(run):
     keras.config.set_dtype_policy(run.policy)
     x, y, w = data(run)
     _, parent_cls, options = _options(run)
-    optimizer = parent_cls(**options)
+    optimizers = [parent_cls(**options)]
+    if run.multi:
+        _, second_cls, second_options = _options(
+            dataclasses.replace(run, optimizer=MULTI_SECOND)
+        )
+        optimizers.append(second_cls(**second_options))
+    # The update of the window being trained (`train` sets it).
+    current = {"window": None}
     if run.model == "embedding" and BACKEND == "tensorflow":
-        _take_dense_gradients(optimizer)
+        for optimizer in optimizers:
+            _take_dense_gradients(
+                optimizer,
+                lambda: not _windowless_update(run, current["window"]),
+            )
+    model = make_model(run)
+    optimizer = optimizers[0]
+    if run.multi:
+        optimizer = _multi_optimizer(model, *optimizers)
     if run.loss_scaled:
         optimizer = keras.optimizers.LossScaleOptimizer(
             optimizer, initial_scale=LOSS_SCALE
         )
-    model = make_model(run)
     model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
     losses = []
     ones = np.ones(run.samples, "float64")
@@ -445,6 +504,7 @@ def _train_parent(run):
         """The parent's step on the window's big batch (and the noise
         scale's estimates from its micro-batches, before, at the window's
         starting weights)."""
+        current["window"] = window
         counts = [_count(run, w, j) for j in window]
         if noise is not None:
             noise.add(model.get_weights(), window, counts)
@@ -489,20 +549,25 @@ def _train_parent(run):
     }
 
 
-def _take_dense_gradients(optimizer):
+def _take_dense_gradients(optimizer, dense):
     """Makes the parent `optimizer` apply an embedding's `IndexedSlices`
-    gradient made dense: TensorFlow's Adam and RMSprop square its slices
-    before adding the rows that repeat, and the window's mean is the dense
-    big-batch gradient, as on JAX and torch (docs/uneven-batches.md)."""
+    gradient made dense where `dense()`: TensorFlow's Adam and RMSprop
+    square its slices before adding the rows that repeat, and a window's
+    mean is the dense big-batch gradient, as on JAX and torch
+    (docs/uneven-batches.md); an optimizer without a window is the parent
+    itself."""
     import tensorflow as tf
 
     apply = optimizer.apply
 
     def dense_apply(grads, trainable_variables=None):
-        grads = [
-            tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-            for g in grads
-        ]
+        if dense():
+            grads = [
+                tf.convert_to_tensor(g)
+                if isinstance(g, tf.IndexedSlices)
+                else g
+                for g in grads
+            ]
         return apply(grads, trainable_variables)
 
     optimizer.apply = dense_apply

@@ -29,29 +29,35 @@ PARENTS = {
 TESTS = Path(__file__).resolve().parent
 
 
-def small_model(seed, in_dim=4, hidden=6, out_dim=2, activation="tanh"):
-    """A small dense model with weights fixed by `seed`."""
+def small_model(
+    seed, in_dim=4, hidden=6, out_dim=2, activation="tanh", head_name=None
+):
+    """A small dense model with weights fixed by `seed` (`head_name`: its
+    last layer's name, for a path that does not depend on the models made
+    before)."""
     keras.utils.set_random_seed(seed)
     return keras.Sequential(
         [
             keras.Input((in_dim,)),
             keras.layers.Dense(hidden, activation=activation),
-            keras.layers.Dense(out_dim),
+            keras.layers.Dense(out_dim, name=head_name),
         ]
     )
 
 
-def small_embedding_model(seed, vocabulary=7, tokens=3, dim=3, out_dim=2):
+def small_embedding_model(
+    seed, vocabulary=7, tokens=3, dim=3, out_dim=2, head_name=None
+):
     """A small model whose first layer is an `Embedding` (its gradient an
     `IndexedSlices` on TensorFlow), weights fixed by `seed`: the tokens'
-    vectors averaged, then a dense layer."""
+    vectors averaged, then a dense layer (named `head_name`)."""
     keras.utils.set_random_seed(seed)
     return keras.Sequential(
         [
             keras.Input((tokens,), dtype="int32"),
             keras.layers.Embedding(vocabulary, dim),
             keras.layers.GlobalAveragePooling1D(),
-            keras.layers.Dense(out_dim),
+            keras.layers.Dense(out_dim, name=head_name),
         ]
     )
 

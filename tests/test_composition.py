@@ -2,6 +2,8 @@
 accumulating optimizers, and `LossScaleOptimizer` around one: each equals
 its non-accumulating counterpart on the big batch in `model.fit`."""
 
+import warnings
+
 import keras
 import pytest
 from helpers import assert_same_weights
@@ -130,6 +132,43 @@ def test_multi_optimizer_of_accumulating_optimizers_equals_big_batch():
     assert_same_weights(ours, parent)
     for inner in ours.optimizer.optimizers:
         assert int(inner.iterations) == 5
+
+
+@pytest.mark.skipif(
+    not hasattr(keras.optimizers, "MultiOptimizer"),
+    reason="this Keras has no MultiOptimizer",
+)
+def test_a_keras_file_of_a_multi_optimizer_loads_as_keras_own_does(tmp_path):
+    # The oracle is Keras' own `MultiOptimizer`: where it loads no state
+    # back (it warns), ours must warn too, not make the file unloadable;
+    # where it does, ours must restore the pending window.
+    x, y = regression_data(9, 3 * B)  # 3 micro-batches: one pending
+    skipped = {}
+    for name, sgd, adam in (
+        ("keras", keras.optimizers.SGD(0.1), keras.optimizers.Adam(0.01)),
+        (
+            "ours",
+            SGDAccumulate(0.1, accum_iters=2),
+            AdamAccumulate(0.01, accum_iters=2),
+        ),
+    ):
+        keras.backend.clear_session()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the pending window
+            model = _fit(_multi(sgd, adam), B, x, y)
+        path = str(tmp_path / f"{name}.keras")
+        model.save(path)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loaded = keras.models.load_model(path)
+        skipped[name] = any(
+            "Skipping variable loading" in str(w.message) for w in caught
+        )
+        assert_same_weights(loaded, model, rtol=0, atol=0)
+        if name == "ours" and not skipped["keras"]:
+            for inner in loaded.optimizer.optimizers:
+                assert int(inner.micro_steps) == 1
+    assert skipped["ours"] == skipped["keras"], skipped
 
 
 def test_loss_scale_optimizer_around_an_accumulating_one_equals_big_batch():

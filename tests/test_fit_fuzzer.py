@@ -107,6 +107,15 @@ def runs(draw):
         # proportional to the gradient, so its round-off stays small.
         run.optimizer = "sgd"
     run.noise = draw(st.booleans())
+    # A `MultiOptimizer` (where this Keras has one): each of its optimizers
+    # measures the noise scale of its own variables, which the oracle does
+    # not work out.
+    if (
+        hasattr(keras.optimizers, "MultiOptimizer")
+        and run.policy == "float32"
+        and not run.noise
+    ):
+        run.multi = draw(st.booleans())
     accum = [
         st.integers(1, 4),
         st.just({0: 2, 2: 3}),
@@ -133,7 +142,12 @@ def runs(draw):
         run.bad = tuple(
             draw(st.sets(st.integers(0, micro_batches - 1), max_size=2))
         )
-    resume = draw(st.sampled_from([None, None, "keras", "weights", "continue"]))
+    resumes = [None, None, "keras", "weights", "continue"]
+    if run.multi:
+        # Keras loads no `MultiOptimizer` state back from a `.keras` file,
+        # and ours does as Keras does (`test_composition.py`).
+        resumes.remove("keras")
+    resume = draw(st.sampled_from(resumes))
     if resume is not None:
         run.resume = resume
         run.resume_at = draw(st.integers(1, micro_batches - 1))

@@ -35,6 +35,18 @@ def load_own_variables(optimizer, store, load_parent_state):
     state."""
     values = [store[str(i)] for i in range(len(store.keys()))]
     values = [np.array(value) for value in values]
+    if not values:
+        # Nothing of it in the file: Keras' `MultiOptimizer` saves its
+        # optimizers' variables as its own and loads none back, warning.
+        # Keras' own optimizers skip a state they cannot take, warning.
+        warnings.warn(
+            f"Skipping variable loading for optimizer '{optimizer.name}': "
+            "the file holds no state for it (as for an optimizer inside a "
+            "`MultiOptimizer`, whose state Keras does not load back). It "
+            "keeps its own state, with an empty window if new.",
+            stacklevel=2,
+        )
+        return
     if not optimizer.built:
         if len(values) == len(optimizer.variables) and not values[0]:
             return load_parent_state(store)  # untrained
