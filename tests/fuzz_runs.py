@@ -267,15 +267,15 @@ def adascale_base(run):
 
 
 def accumulating(model):
-    """The model's accumulating optimizer (the first of a
-    `MultiOptimizer`'s)."""
-    return accumulating_ones(model)[0]
+    """The model's optimizer inside its `LossScaleOptimizer`, if any: the
+    accumulating one, or a `MultiOptimizer` of them."""
+    optimizer = model.optimizer
+    return getattr(optimizer, "inner_optimizer", optimizer)
 
 
 def accumulating_ones(model):
     """The model's accumulating optimizers: one, or a `MultiOptimizer`'s."""
-    optimizer = model.optimizer
-    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    optimizer = accumulating(model)
     return list(getattr(optimizer, "optimizers", [optimizer]))
 
 
