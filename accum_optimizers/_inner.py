@@ -33,8 +33,8 @@ def accumulating_optimizers(optimizer):
 
 def count_updates_in_multi_optimizer(optimizer):
     """Sets a `MultiOptimizer`'s `iterations` to the applied updates of its
-    accumulating optimizers, as its patched `apply` does after each call
-    (`_wrappers.py`): now, for a `flush()` run since.
+    accumulating optimizers: after each call of its patched `apply`
+    (`_wrappers.py`), and from the callbacks, for a `flush()` run since.
 
     Keras' `MultiOptimizer.apply` adds 1 to its `iterations` on every call,
     a micro-batch. When every inner optimizer accumulates with the same
@@ -45,12 +45,12 @@ def count_updates_in_multi_optimizer(optimizer):
     Args:
         optimizer: a `keras.optimizers.Optimizer`.
     """
-    reference = shared_window_optimizer(optimizer)
+    reference = _shared_window_optimizer(optimizer)
     if reference is not None and optimizer.built and reference.built:
         optimizer.iterations.assign(reference.iterations)
 
 
-def shared_window_optimizer(optimizer):
+def _shared_window_optimizer(optimizer):
     """The first inner optimizer of a `MultiOptimizer` whose inner
     optimizers all accumulate with the same `accum_iters` (they update
     together), or `None`."""
@@ -85,15 +85,14 @@ def refuse_skips_with_accum_batch_norm(model, optimizers):
     optimizer's."""
     if not any(o.skip_nonfinite for o in optimizers):
         return
-    for layer in _keras_private.sublayers(model):
-        if isinstance(layer, AccumBatchNormalization) and layer.accum_iters > 1:
-            raise ValueError(
-                "`skip_nonfinite=True` cannot be combined with "
-                f"AccumBatchNormalization layer '{layer.name}' "
-                f"(accum_iters={layer.accum_iters}): the layer adds every "
-                "micro-batch to its window in the forward pass, before the "
-                "optimizer decides to skip it."
-            )
+    for layer in _windowed_batch_norm_layers(model):
+        raise ValueError(
+            "`skip_nonfinite=True` cannot be combined with "
+            f"AccumBatchNormalization layer '{layer.name}' "
+            f"(accum_iters={layer.accum_iters}): the layer adds every "
+            "micro-batch to its window in the forward pass, before the "
+            "optimizer decides to skip it."
+        )
 
 
 def refuse_accum_batch_norm_in_planning(model):
@@ -101,16 +100,24 @@ def refuse_accum_batch_norm_in_planning(model):
     recovery re-cuts the window and runs a failed micro-batch again, but an
     `AccumBatchNormalization` counts its own window, of its own
     `accum_iters`, in the forward pass."""
-    for layer in _keras_private.sublayers(model):
-        if isinstance(layer, AccumBatchNormalization) and layer.accum_iters > 1:
-            raise ValueError(
-                "fit_to_memory cannot plan a model with "
-                f"AccumBatchNormalization layer '{layer.name}' "
-                f"(accum_iters={layer.accum_iters}): the layer counts its "
-                "own windows in the forward pass, so the window "
-                "fit_to_memory chooses, and re-cuts after an out-of-memory "
-                "error, would fall out of step with them, and a micro-batch "
-                "run again after the error would enter its statistics "
-                "twice. Use `keras.layers.BatchNormalization`, or "
-                "`model.fit` with a fixed `accum_iters`."
-            )
+    for layer in _windowed_batch_norm_layers(model):
+        raise ValueError(
+            "fit_to_memory cannot plan a model with "
+            f"AccumBatchNormalization layer '{layer.name}' "
+            f"(accum_iters={layer.accum_iters}): the layer counts its "
+            "own windows in the forward pass, so the window "
+            "fit_to_memory chooses, and re-cuts after an out-of-memory "
+            "error, would fall out of step with them, and a micro-batch "
+            "run again after the error would enter its statistics "
+            "twice. Use `keras.layers.BatchNormalization`, or "
+            "`model.fit` with a fixed `accum_iters`."
+        )
+
+
+def _windowed_batch_norm_layers(model):
+    """The model's `AccumBatchNormalization` layers that keep a window."""
+    return [
+        layer
+        for layer in _keras_private.sublayers(model)
+        if isinstance(layer, AccumBatchNormalization) and layer.accum_iters > 1
+    ]

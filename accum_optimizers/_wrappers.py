@@ -39,7 +39,7 @@ from accum_optimizers import _inputs
 from accum_optimizers import _keras_private
 from accum_optimizers._accumulation import GradientAccumulation
 from accum_optimizers._backend import outside_compiled_code
-from accum_optimizers._inner import shared_window_optimizer
+from accum_optimizers._inner import count_updates_in_multi_optimizer
 from accum_optimizers._validation import concrete_value
 from accum_optimizers._validation import validate_gradient
 from accum_optimizers._validation import validate_loss
@@ -228,9 +228,7 @@ def _install_multi_optimizer():
                 _inputs.discard(optimizer)
         # Keras counts micro-batches; inner optimizers that update together
         # count updates, as the big batch's `MultiOptimizer` does.
-        reference = shared_window_optimizer(self)
-        if reference is not None and reference.built:
-            self.iterations.assign(reference.iterations)
+        count_updates_in_multi_optimizer(self)
         return result
 
     agreeing_apply.__doc__ = apply.__doc__
