@@ -43,11 +43,16 @@ def count_updates_in_multi_optimizer(optimizer):
     counts it. Does nothing for other optimizers.
 
     Args:
-        optimizer: a `keras.optimizers.Optimizer`.
+        optimizer: a `keras.optimizers.Optimizer`; a `LossScaleOptimizer`
+            is looked through (its `iterations` are its inner one's).
     """
+    while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
     reference = _shared_window_optimizer(optimizer)
     if reference is not None and optimizer.built and reference.built:
-        optimizer.iterations.assign(reference.iterations)
+        # A copy: JAX would hand both variables one buffer, which the next
+        # compiled step donates twice.
+        optimizer.iterations.assign(keras.ops.copy(reference.iterations))
 
 
 def _shared_window_optimizer(optimizer):

@@ -7,7 +7,8 @@
 
 - `apply` and `stateless_apply` take `weight=` and `loss=` around an
   accumulating optimizer and hand them to its next `apply` (`_inputs`);
-- `scale_loss` passes `fit`'s loss on to it (`window_loss`);
+- `scale_loss` passes `fit`'s loss on to it, or to those of a
+  `MultiOptimizer` it wraps (`window_loss`);
 - a weights-only resume keeps the saved loss scale: `model.load_weights`
   finds the wrapper unbuilt and Keras skips its state (the dynamic loss
   scale, its step counter) with a warning only, while the inner optimizer
@@ -39,6 +40,7 @@ from accum_optimizers import _inputs
 from accum_optimizers import _keras_private
 from accum_optimizers._accumulation import GradientAccumulation
 from accum_optimizers._backend import outside_compiled_code
+from accum_optimizers._inner import accumulating_optimizers
 from accum_optimizers._inner import count_updates_in_multi_optimizer
 from accum_optimizers._validation import concrete_value
 from accum_optimizers._validation import validate_gradient
@@ -163,9 +165,11 @@ def _noting_scale_loss(scale_loss):
 
     def noting_scale_loss(self, loss):
         # `fit` hands the loss to the optimizer it compiled with: the
-        # inner optimizer's `window_loss` needs it too.
+        # inner optimizers' `window_loss` needs it too (Keras' own does
+        # not call the inner optimizer's `scale_loss`).
+        for optimizer in accumulating_optimizers(self.inner_optimizer):
+            note_loss(optimizer, loss)
         if is_accumulating_class(self.inner_optimizer):
-            note_loss(self.inner_optimizer, loss)
             saved = _saved_scale(self)
             if saved is not None:
                 # Unbuilt, Keras scales by `initial_scale`; but `apply`
