@@ -9,7 +9,8 @@
   accumulating optimizer and hand them to its next `apply` (`_inputs`);
 - `scale_loss` passes `fit`'s loss on to it, or to those of a
   `MultiOptimizer` it wraps (`window_loss`);
-- a weights-only resume keeps the saved loss scale: `model.load_weights`
+- a weights-only resume keeps the saved loss scale (around an
+  accumulating optimizer or a `MultiOptimizer`): `model.load_weights`
   finds the wrapper unbuilt and Keras skips its state (the dynamic loss
   scale, its step counter) with a warning only, while the inner optimizer
   restores its own when built, so training would resume with the initial
@@ -117,7 +118,7 @@ def _deferring_load(load_own_variables):
     for `build` (`_restoring_build`) around an accumulating optimizer."""
 
     def deferring_load_own_variables(self, store):
-        if self.built or not is_accumulating_class(self.inner_optimizer):
+        if self.built or not accumulating_optimizers(self.inner_optimizer):
             return load_own_variables(self, store)
         values = [np.array(store[str(i)]) for i in range(len(store.keys()))]
         _PENDING_SCALE_STATE[self] = tuple(values)
@@ -131,15 +132,13 @@ def _restoring_build(build):
 
     def restoring_build(self, var_list):
         pending = _PENDING_SCALE_STATE.pop(self, None)
-        # The inner optimizer's own saved state (its part of `pending`),
-        # kept for its build when it was saved trained.
-        inner = pending_restore(self.inner_optimizer)
+        # Before `build`, where the inner optimizers take theirs.
+        saved = None if pending is None else _saved_own_state(self, pending)
         build(self, var_list)
-        if pending is None or inner is None:
+        if saved is None:
             return  # Saved untrained: a fresh loss scale is the saved one.
         inner_ids = {id(v) for v in self.inner_optimizer.variables}
         own = [v for v in self.variables if id(v) not in inner_ids]
-        saved = pending[: len(pending) - len(inner)]
         if len(saved) != len(own) or any(
             np.shape(value) != tuple(variable.shape)
             for value, variable in zip(saved, own)
@@ -159,6 +158,23 @@ def _restoring_build(build):
     return restoring_build
 
 
+def _saved_own_state(optimizer, pending):
+    """The loss scale's own part of its saved state `pending` (the
+    constructor's variables, then `build`'s step counter and dynamic
+    scale), where it was saved trained; else `None`. The inner
+    optimizers' saved states (kept for their `build`) tell both."""
+    inner = optimizer.inner_optimizer
+    if is_accumulating_class(inner):
+        saved_inner = pending_restore(inner)
+        if saved_inner is None:
+            return None
+        return pending[: len(pending) - len(saved_inner)]
+    # A `MultiOptimizer`: its variables follow the loss scale's own.
+    if all(pending_restore(o) is None for o in accumulating_optimizers(inner)):
+        return None
+    return pending[: len(optimizer._variables) + 2]
+
+
 def _noting_scale_loss(scale_loss):
     """`scale_loss` that notes the loss for an accumulating inner
     optimizer's `window_loss`."""
@@ -169,12 +185,11 @@ def _noting_scale_loss(scale_loss):
         # not call the inner optimizer's `scale_loss`).
         for optimizer in accumulating_optimizers(self.inner_optimizer):
             note_loss(optimizer, loss)
-        if is_accumulating_class(self.inner_optimizer):
-            saved = _saved_scale(self)
-            if saved is not None:
-                # Unbuilt, Keras scales by `initial_scale`; but `apply`
-                # builds it, restores the saved scale and unscales by that.
-                return keras.ops.multiply(loss, saved)
+        saved = _saved_scale(self)
+        if saved is not None:
+            # Unbuilt, Keras scales by `initial_scale`; but `apply` builds
+            # it, restores the saved scale and unscales by that.
+            return keras.ops.multiply(loss, saved)
         return scale_loss(self, loss)
 
     return noting_scale_loss
@@ -186,10 +201,9 @@ def _saved_scale(optimizer):
     if optimizer.built:
         return None
     pending = _PENDING_SCALE_STATE.get(optimizer)
-    inner = pending_restore(optimizer.inner_optimizer)
-    if pending is None or inner is None:
+    saved = None if pending is None else _saved_own_state(optimizer, pending)
+    if saved is None:
         return None
-    saved = pending[: len(pending) - len(inner)]
     # `build` adds `step_counter`, then `dynamic_scale`, after the
     # variables the constructor made.
     index = len(optimizer._variables) + 1
