@@ -6,7 +6,9 @@
 `mixed_float16` policy):
 
 - `apply` and `stateless_apply` take `weight=` and `loss=` around an
-  accumulating optimizer and hand them to its next `apply` (`_inputs`);
+  accumulating optimizer and hand them to its next `apply` (`_inputs`),
+  and keep the note of an error raised after its state began to change
+  (Keras' `ops.cond` raises a new error in its place, without notes);
 - `scale_loss` passes `fit`'s loss on to it, or to those of a
   `MultiOptimizer` it wraps (`window_loss`);
 - a weights-only resume keeps the saved loss scale (around an
@@ -25,12 +27,15 @@
 - `apply` checks every gradient for finiteness once and hands the result to
   the inner optimizers with `skip_nonfinite=True`, so that they skip the
   same micro-batches: each checking its own variables only would let one
-  skip a micro-batch another adds, and their windows drift apart.
+  skip a micro-batch another adds, and their windows drift apart;
+- `apply` warns, once, of inner optimizers whose windows `by_noise_scale`
+  sizes, each from its own variables.
 
 Any other optimizer behaves as Keras wrote it. The patches hand the
 accumulating optimizers their values through `_inputs`.
 """
 
+import warnings
 import weakref
 
 import keras
@@ -43,17 +48,22 @@ from accum_optimizers._accumulation import GradientAccumulation
 from accum_optimizers._backend import outside_compiled_code
 from accum_optimizers._inner import accumulating_optimizers
 from accum_optimizers._inner import count_updates_in_multi_optimizer
+from accum_optimizers._noise_schedule import keyed_on_noise_scale
 from accum_optimizers._validation import concrete_value
 from accum_optimizers._validation import validate_gradient
 from accum_optimizers._validation import validate_loss
 from accum_optimizers._validation import validate_weighable
 from accum_optimizers._validation import validate_weight
 from accum_optimizers._window.restore import pending_restore
+from accum_optimizers._window.step import carrying_partial_writes_note
 from accum_optimizers._window.step import laid_out
 from accum_optimizers._window.step import note_loss
 
 # The Keras classes `install` patched (a second `install` leaves them be).
 _PATCHED = set()
+
+# The `MultiOptimizer`s `_warn_of_windows_sized_apart` warned of; held weakly.
+_WARNED_WINDOWS_APART = weakref.WeakSet()
 
 # The saved state (loss scale, step counter, then the inner optimizer's) of
 # each unbuilt `LossScaleOptimizer`, kept for its `build`; held weakly.
@@ -88,8 +98,12 @@ def _weighing(method):
     and `loss` for an accumulating inner optimizer."""
 
     def weighed(self, *args, weight=None, loss=None, **kwargs):
-        if weight is None and loss is None:
-            return method(self, *args, **kwargs)
+        with carrying_partial_writes_note():
+            if weight is None and loss is None:
+                return method(self, *args, **kwargs)
+            return weighed_call(self, args, kwargs, weight, loss)
+
+    def weighed_call(self, args, kwargs, weight, loss):
         inner = self.inner_optimizer
         if not is_accumulating_class(inner):
             raise TypeError(
@@ -232,6 +246,7 @@ def _install_multi_optimizer():
 
     def agreeing_apply(self, grads, trainable_variables=None):
         _check_inner_calls(self, grads, trainable_variables)
+        _warn_of_windows_sized_apart(self, accumulating(self))
         skipping = [o for o in accumulating(self) if o.skip_nonfinite]
         if skipping and len(grads):
             finite = skipping[0]._window_backend.read_gradients(
@@ -253,6 +268,29 @@ def _install_multi_optimizer():
     cls.scale_loss = noting_scale_loss
     cls.apply = agreeing_apply
     _PATCHED.add(cls)
+
+
+def _warn_of_windows_sized_apart(multi, accumulating):
+    """Warns once per `MultiOptimizer` whose `accumulating` optimizers
+    size their windows by the noise scale (`by_noise_scale`): each
+    measures its own variables, so their windows may close at different
+    micro-batches, where the big batch updates the whole model at once."""
+    if multi in _WARNED_WINDOWS_APART or len(accumulating) < 2:
+        return
+    _WARNED_WINDOWS_APART.add(multi)
+    keyed = [
+        o.name for o in accumulating if keyed_on_noise_scale(o.accum_iters)
+    ]
+    if keyed:
+        warnings.warn(
+            f"MultiOptimizer '{multi.name}': its optimizers {keyed} size "
+            "their windows by `by_noise_scale`, each from the noise scale "
+            "of its own variables, so their windows may close at "
+            "different micro-batches (no big batch does that). Give them "
+            "fixed windows (an int, a dict or a schedule keyed on "
+            "updates or samples), or use one accumulating optimizer.",
+            stacklevel=3,
+        )
 
 
 def _check_inner_calls(multi, grads, trainable_variables):

@@ -25,7 +25,9 @@ outs from each window's micro-batch gradients at its starting weights (the
 parent's), in float64 numpy (`helpers.small_model_gradients`): the paper's
 two estimates per window (`helpers.noise_estimates`), their moving
 averages and ratio; under `by_noise_scale` it also sizes the windows, from
-its own noise scale.
+its own noise scale. Under a `MultiOptimizer` (`Run.multi`) there is one
+oracle per inner optimizer, over its own variables, and the logger's
+noise scale is the ratio of their averages summed.
 """
 
 import dataclasses
@@ -212,9 +214,13 @@ def model_gradients(run):
 
 def _compile_ours(run, model):
     cls, _, options = _options(run)
+    measuring = {}
     if run.noise:
-        options["measure_noise_scale"] = True
-        options["noise_scale_momentum"] = run.noise_momentum
+        measuring = {
+            "measure_noise_scale": True,
+            "noise_scale_momentum": run.noise_momentum,
+        }
+    options.update(measuring)
     if run.adascale:
         options["learning_rate"] = ao_schedules.adascale(
             options["learning_rate"], base_batch_size=adascale_base(run)
@@ -232,6 +238,7 @@ def _compile_ours(run, model):
             accum_iters=accum_iters_argument(run),
             skip_nonfinite=run.skip,
             **second_options,
+            **measuring,
         )
         optimizer = _multi_optimizer(model, optimizer, second)
     if run.loss_scaled:
@@ -364,8 +371,18 @@ def train_ours(run, tmp_path):
         fit(model, split, run.samples, run.flush)
     return {
         **outcome(model, windows),
-        **noise_outcome(run, accumulating(model), noise_logged),
+        **noise_outcome(run, _in_model_order(model), noise_logged),
     }
+
+
+def _in_model_order(model):
+    """The model's accumulating optimizers in the order of their first
+    variable among the model's weights (the noise oracles' order)."""
+    position = {v.path: i for i, v in enumerate(model.weights)}
+    return sorted(
+        accumulating_ones(model),
+        key=lambda o: min(position[v.path] for v in o._trainable_variables),
+    )
 
 
 def _resumed(run, model, tmp_path):
@@ -498,7 +515,18 @@ def _train_parent(run):
     losses = []
     ones = np.ones(run.samples, "float64")
     weights = ones if w is None else w.astype("float64")
-    noise = NoiseOracle(run) if run.noise else None
+    # Under a `MultiOptimizer` each optimizer measures its own variables:
+    # the last layer's (its last two weights) and the others'.
+    noises = []
+    if run.noise:
+        noises = [NoiseOracle(run)]
+        if run.multi:
+            head = len(model.get_weights()) - 2
+            noises = [
+                NoiseOracle(run, slice(0, head)),
+                NoiseOracle(run, slice(head, None)),
+            ]
+    noise = noises[0] if noises else None
 
     def train(window):
         """The parent's step on the window's big batch (and the noise
@@ -506,8 +534,8 @@ def _train_parent(run):
         starting weights)."""
         current["window"] = window
         counts = [_count(run, w, j) for j in window]
-        if noise is not None:
-            noise.add(model.get_weights(), window, counts)
+        for oracle in noises:
+            oracle.add(model.get_weights(), window, counts)
         if run.adascale:
             gain = noise.adascale_gain(
                 sum(counts) if run.weighted else len(window),
@@ -545,7 +573,7 @@ def _train_parent(run):
         ),
         "losses": losses,
         "windows": windows,
-        "noise": noise,
+        "noise": noises,
     }
 
 
@@ -607,6 +635,28 @@ class AmbiguousWindow(Exception):
     `by_noise_scale`'s map to say which window a float32 run chooses."""
 
 
+def ratio_interval(averages, bounds, weight):
+    """The interval of `tr(Sigma) / |G|^2` of moving averages `(|G|^2,
+    tr(Sigma))` within `bounds` (infinite where `|G|^2 <= 0`); NaNs before
+    the first estimate (`weight` 0)."""
+    if weight <= 0:
+        return (np.nan, np.nan)
+    (sq_norm, trace), (sq_bound, trace_bound) = averages, bounds
+    if sq_norm - sq_bound > 0:
+        corners = [
+            (trace + a) / (sq_norm + b)
+            for a in (-trace_bound, trace_bound)
+            for b in (-sq_bound, sq_bound)
+        ]
+        return (min(corners), max(corners))
+    if sq_norm + sq_bound <= 0:
+        return (np.inf, np.inf)
+    # |G|^2 within its bound of 0: the ratio is huge, or infinite.
+    if trace - trace_bound >= 0:
+        return ((trace - trace_bound) / (sq_norm + sq_bound), np.inf)
+    return (-np.inf, np.inf)
+
+
 class NoiseOracle:
     """The noise scale's read-outs of a run, worked out in float64 numpy
     from each window's micro-batch gradients at its starting weights (the
@@ -617,8 +667,9 @@ class NoiseOracle:
     and the noise scale's boundaries in `by_noise_scale` are known to be
     clear (`AmbiguousWindow` where they are not)."""
 
-    def __init__(self, run):
+    def __init__(self, run, variables=slice(None)):
         self.run = run
+        self.variables = variables  # of the model's weights, those measured
         self.x, self.y, self.w = data(run)
         self.momentum = run.noise_momentum
         self.rtol = NOISE_RTOL[run.policy]
@@ -635,7 +686,8 @@ class NoiseOracle:
         # The largest noise scale counted (its interval): a variable that
         # starts at 0.
         self.largest = (0.0, 0.0)
-        self.history = []  # the noise scale's interval after each update
+        # The averages, their bounds and weight after each update.
+        self.snapshots = []
         self.gains = []  # AdaScale's gain of each update
         self.estimates = 0  # windows that gave an estimate
 
@@ -649,7 +701,7 @@ class NoiseOracle:
             grads.append(
                 model_gradients(self.run)(
                     weights, self.x[rows], self.y[rows], sample / n
-                )
+                )[self.variables]
             )
         micro_weights = counts if self.run.weighted else [1.0] * len(window)
         self.window = np.asarray(noise_estimates(grads, micro_weights))
@@ -668,7 +720,7 @@ class NoiseOracle:
                     max(self.largest[0], lo),
                     max(self.largest[1], hi),
                 )
-        self.history.append(self.noise_scale())
+        self.snapshots.append((self.averages, self.bounds, self.weight))
 
     def _ready(self):
         """`noise._accum_noise_ready`: averages of `warmup` windows."""
@@ -679,22 +731,7 @@ class NoiseOracle:
     def noise_scale(self):
         """The interval of `tr(Sigma) / |G|^2` of the averages (infinite
         where `|G|^2 <= 0`); NaNs before the first estimate."""
-        if self.weight <= 0:
-            return (np.nan, np.nan)
-        (sq_norm, trace), (sq_bound, trace_bound) = self.averages, self.bounds
-        if sq_norm - sq_bound > 0:
-            corners = [
-                (trace + a) / (sq_norm + b)
-                for a in (-trace_bound, trace_bound)
-                for b in (-sq_bound, sq_bound)
-            ]
-            return (min(corners), max(corners))
-        if sq_norm + sq_bound <= 0:
-            return (np.inf, np.inf)
-        # |G|^2 within its bound of 0: the ratio is huge, or infinite.
-        if trace - trace_bound >= 0:
-            return ((trace - trace_bound) / (sq_norm + sq_bound), np.inf)
-        return (-np.inf, np.inf)
+        return ratio_interval(self.averages, self.bounds, self.weight)
 
     def adascale_gain(self, window_weight, base):
         """AdaScale's gain of a window of `window_weight` closing now, from
@@ -760,22 +797,21 @@ class NoiseOracle:
         )
 
 
-def noise_outcome(run, optimizer, logged):
-    """The noise scale's read-outs of `optimizer` after a run, and the
-    noise scales a logger recorded, `(update, noise_scale)` (nothing where
-    the run does not measure it)."""
+def noise_outcome(run, optimizers, logged):
+    """The noise scale's read-outs of each of `optimizers` after a run
+    (`"noise"`, the first's; `"noise_of_each"`), and the noise scales a
+    logger recorded, `(update, noise_scale)` (nothing where the run does
+    not measure it)."""
     if not run.noise:
         return {}
     read_outs = NOISE_READ_OUTS
     if run.adascale:
         read_outs += ("adascale_gain", "scale_invariant_step")
-    return {
-        "noise": {
-            name: float(to_numpy(getattr(optimizer, name)))
-            for name in read_outs
-        },
-        "noise_logged": logged,
-    }
+    each = [
+        {name: float(to_numpy(getattr(o, name))) for name in read_outs}
+        for o in optimizers
+    ]
+    return {"noise": each[0], "noise_of_each": each, "noise_logged": logged}
 
 
 def _assert_within(value, interval, what):
@@ -795,10 +831,13 @@ def assert_same_noise(run, ours, parent):
     float32 round-off, or a loose `NOISE_RTOL` under the 16-bit policies;
     NaN exactly where the oracle's are (no estimate yet, or a last window
     of one micro-batch)."""
-    oracle = parent["noise"]
-    expected = oracle.expected()
-    for name in NOISE_READ_OUTS:
-        _assert_within(ours["noise"][name], expected[name], name)
+    oracles = parent["noise"]
+    assert len(ours["noise_of_each"]) == len(oracles)
+    for read_outs, oracle in zip(ours["noise_of_each"], oracles):
+        expected = oracle.expected()
+        for name in NOISE_READ_OUTS:
+            _assert_within(read_outs[name], expected[name], name)
+    oracle = oracles[0]
     if run.adascale:
         # The oracle's gains set the parent's learning rates, so the
         # weights judge them too; these are the read-outs.
@@ -812,10 +851,15 @@ def assert_same_noise(run, ours, parent):
             err_msg="adascale_gain, scale_invariant_step",
         )
     if run.logger:
+        # Under a `MultiOptimizer`, the logger's is the ratio of the
+        # optimizers' averages summed.
         for update, value in ours["noise_logged"]:
+            averages, bounds, weights = zip(
+                *(oracle.snapshots[update - 1] for oracle in oracles)
+            )
             _assert_within(
                 value,
-                oracle.history[update - 1],
+                ratio_interval(sum(averages), sum(bounds), weights[0]),
                 f"noise_scale logged at update {update}",
             )
 

@@ -14,6 +14,7 @@ from keras import ops
 from accum_optimizers import AdamAccumulate
 from accum_optimizers import SGDAccumulate
 from accum_optimizers import accumulating
+from accum_optimizers.schedules import by_noise_scale
 
 K, B = 4, 2
 
@@ -132,6 +133,47 @@ def test_multi_optimizer_of_accumulating_optimizers_equals_big_batch():
     assert_same_weights(ours, parent)
     for inner in ours.optimizer.optimizers:
         assert int(inner.iterations) == 5
+
+
+@pytest.mark.skipif(
+    not hasattr(keras.optimizers, "MultiOptimizer"),
+    reason="this Keras has no MultiOptimizer",
+)
+def test_a_multi_optimizer_warns_of_windows_sized_by_the_noise_scale():
+    def measuring(cls, learning_rate, accum_iters):
+        return cls(
+            learning_rate, accum_iters=accum_iters, measure_noise_scale=True
+        )
+
+    x, y = regression_data(9, 2 * K * B)
+    sized = by_noise_scale(micro_batch_size=B, floor=2, ceiling=K)
+    keras.backend.clear_session()  # the layer names `_multi` maps
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(
+            _multi(
+                measuring(SGDAccumulate, 0.1, K),
+                measuring(AdamAccumulate, 0.01, K),
+            ),
+            B,
+            x,
+            y,
+        )
+    assert not [w for w in caught if "by_noise_scale" in str(w.message)]
+    keras.backend.clear_session()
+    with pytest.warns(UserWarning, match="by_noise_scale") as warned:
+        _fit(
+            _multi(
+                measuring(SGDAccumulate, 0.1, K),
+                measuring(AdamAccumulate, 0.01, sized),
+            ),
+            B,
+            x,
+            y,
+            epochs=2,
+        )
+    apart = [w for w in warned if "by_noise_scale" in str(w.message)]
+    assert len(apart) == 1  # once per MultiOptimizer
 
 
 @pytest.mark.skipif(

@@ -22,7 +22,8 @@ Every optimizer here measures the gradient noise scale (`NOISE`): its
 variables (the window's noise sums, the last window's estimates, their
 moving averages) are among the optimizer's variables a failed step must
 leave as they were; so are AdaScale's (the gain, the scale-invariant step)
-of the `MultiOptimizer`'s SGD.
+of the `MultiOptimizer`'s SGD. The `MultiOptimizer` runs inside a
+`LossScaleOptimizer`, as `compile` wraps it under `mixed_float16`.
 """
 
 import keras
@@ -162,7 +163,9 @@ def _train_with_fault(point, at, mode, make_error, multi=False):
         backward=fault if point == "backward" else None,
     )
     if multi:
-        optimizer = _multi_optimizer()
+        # Inside a loss scaler, as `compile` wraps it under mixed_float16
+        # (its own step counter is Keras', outside the snapshot).
+        optimizer = keras.optimizers.LossScaleOptimizer(_multi_optimizer())
     else:
         optimizer = ao.AdamAccumulate(
             learning_rate=0.05, accum_iters=ACCUM_ITERS, **NOISE
@@ -211,7 +214,10 @@ def test_an_error_in_a_micro_step_leaves_every_inner_optimizers_state(
 
 
 def _check_an_error_in_a_micro_step(mode, point, at, request, multi):
-    _mark_known_hole(request, "step", (mode, point, at))
+    if not (multi and point == "backward"):
+        # Inside the loss scaler the update is a branch on every
+        # gradient's finiteness: no sum is written before they all exist.
+        _mark_known_hole(request, "step", (mode, point, at))
     if point in ("forward", "backward", "update") and not tap_supported(
         mode == "xla"
     ):

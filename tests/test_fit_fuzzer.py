@@ -108,12 +108,9 @@ def runs(draw):
         run.optimizer = "sgd"
     run.noise = draw(st.booleans())
     # A `MultiOptimizer` (where this Keras has one): each of its optimizers
-    # measures the noise scale of its own variables, which the oracle does
-    # not work out.
-    if (
-        hasattr(keras.optimizers, "MultiOptimizer")
-        and not run.noise
-    ):
+    # measures the noise scale of its own variables (an oracle each), and
+    # windows sized by it or an AdaScale rate would differ between them.
+    if hasattr(keras.optimizers, "MultiOptimizer"):
         run.multi = draw(st.booleans())
     accum = [
         st.integers(1, 4),
@@ -125,13 +122,14 @@ def runs(draw):
         run.noise_momentum = draw(st.sampled_from([0.0, 0.5, 0.9]))
         # Under 16-bit policies the oracle's noise scale is not the run's
         # to the precision a window's size needs.
-        if run.policy == "float32" and draw(st.booleans()):
+        if run.policy == "float32" and not run.multi and draw(st.booleans()):
             accum = [noise_schedules(micro_batch if weighted else 1)]
     run.accum = draw(st.one_of(*accum))
     # AdaScale (for SGD): the oracle's gains from its float64 averages set
     # the parent's learning rate, only where the run's averages are the
     # oracle's to float32 round-off.
-    if run.noise and run.policy == "float32" and draw(st.booleans()):
+    adascale = run.noise and run.policy == "float32" and not run.multi
+    if adascale and draw(st.booleans()):
         run.optimizer = "sgd"
         run.adascale = True
     if run.sample_weight and draw(st.booleans()):

@@ -134,6 +134,24 @@ def laid_out(optimizer, grads, trainable_variables):
 
 
 @contextlib.contextmanager
+def carrying_partial_writes_note():
+    """Context in which an error that replaced one noted `PARTLY_WRITTEN`
+    (Keras' operations raise a new error of the same type, naming their
+    arguments, without the notes) is noted again."""
+    try:
+        yield
+    except Exception as error:
+        replaced = error.__context__
+        while replaced is not None:
+            if PARTLY_WRITTEN in getattr(replaced, "__notes__", ()):
+                if PARTLY_WRITTEN not in getattr(error, "__notes__", ()):
+                    error.add_note(PARTLY_WRITTEN)
+                break
+            replaced = replaced.__context__
+        raise
+
+
+@contextlib.contextmanager
 def noting_partial_writes(optimizer):
     """Context in which an error says that the optimizer is partly
     written, where a micro-step's writes land as it runs: eagerly, outside
