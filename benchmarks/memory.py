@@ -459,11 +459,22 @@ def worker(args):
 # -- The report --------------------------------------------------------------
 
 
+# TensorFlow's CPU allocator keeps the statistics read here only with
+# oneDNN's options on, which TensorFlow turns on by itself only on CPUs with
+# AVX-512 (on others `get_memory_info("CPU:0")` raises).
+TENSORFLOW_CPU_STATISTICS = {"TF_ENABLE_ONEDNN_OPTS": "1"}
+
+
 def run_mode(mode, argv, timeout=None):
     """Runs the worker of `mode` with the options `argv`, killed after
     `timeout` seconds (`subprocess.TimeoutExpired`); returns its records,
     and one error record if it failed."""
-    env = dict(os.environ, KERAS_BACKEND=MODES[mode], TF_CPP_MIN_LOG_LEVEL="3")
+    env = dict(
+        os.environ,
+        KERAS_BACKEND=MODES[mode],
+        TF_CPP_MIN_LOG_LEVEL="3",
+        **TENSORFLOW_CPU_STATISTICS,
+    )
     command = [sys.executable, "-m", "benchmarks.memory", "--worker", mode]
     result = subprocess.run(
         command + argv,

@@ -119,6 +119,8 @@ print(peak(2**22), peak(0))
 
 @pytest.mark.backends("tensorflow")
 def test_tensorflow_cpu_peak_sees_a_tensor_held_through_a_graph():
+    from benchmarks import memory
+
     # In a process of its own: the allocator's blocks depend on what the
     # process allocated before (a held tensor measured 2.3 MB off after
     # other tests' `fit`s).
@@ -127,7 +129,11 @@ def test_tensorflow_cpu_peak_sees_a_tensor_held_through_a_graph():
         capture_output=True,
         text=True,
         timeout=300,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+        env=dict(
+            os.environ,
+            TF_CPP_MIN_LOG_LEVEL="3",
+            **memory.TENSORFLOW_CPU_STATISTICS,
+        ),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     held, alone = (int(v) for v in result.stdout.split()[-2:])
