@@ -246,8 +246,9 @@ def _install_multi_optimizer():
 
     def agreeing_apply(self, grads, trainable_variables=None):
         _check_inner_calls(self, grads, trainable_variables)
-        _warn_of_windows_sized_apart(self, accumulating(self))
-        skipping = [o for o in accumulating(self) if o.skip_nonfinite]
+        inner = accumulating(self)
+        _warn_of_windows_sized_apart(self, inner)
+        skipping = [o for o in inner if o.skip_nonfinite]
         if skipping and len(grads):
             finite = skipping[0]._window_backend.read_gradients(
                 grads, squares=False, finite=True
