@@ -1,8 +1,13 @@
 """Runs the whole test suite once per Keras backend, each in its own process.
 
-    python scripts/run_tests.py [--backends tensorflow jax torch] [pytest args]
+    python scripts/run_tests.py [--backends tensorflow jax torch] [--jobs N]
+                                [pytest args]
 
-Keras reads `KERAS_BACKEND` at import, so a process holds one backend. Each
+Keras reads `KERAS_BACKEND` at import, so a process holds one backend. The
+backends run `--jobs` at a time (default: one per CPU core, at most one per
+backend), the slowest (TensorFlow) first; a pytest process keeps about one
+core busy. With more than one at a time, each backend's output is printed
+whole when it ends. Each
 backend's pytest run is reported on its own line; a backend that is not
 installed is reported as SKIPPED (and makes the run fail unless
 `--allow-missing` is given), never as passed. The last line is the total:
@@ -17,13 +22,17 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import as_completed
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
 
 
-def run_backend(backend, pytest_args):
+def run_backend(backend, pytest_args, streamed=True):
+    """Runs pytest on one backend: `(counts, seconds)`. Not `streamed`, its
+    output is printed whole when it ends (backends running side by side)."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "junit.xml"
         env = dict(os.environ, KERAS_BACKEND=backend)
@@ -37,9 +46,25 @@ def run_backend(backend, pytest_args):
             f"--junitxml={report}",
             *pytest_args,
         ]
-        print(f"\n=== {backend}: {' '.join(command[1:])}", flush=True)
+        header = f"\n=== {backend}: {' '.join(command[1:])}"
         start = time.perf_counter()
-        code = subprocess.call(command, cwd=ROOT, env=env)
+        if streamed:
+            print(header, flush=True)
+            code = subprocess.call(command, cwd=ROOT, env=env)
+        else:
+            print(f"=== {backend}: started", flush=True)
+            log = Path(tmp) / "output.log"
+            with open(log, "w") as output:
+                code = subprocess.call(
+                    command,
+                    cwd=ROOT,
+                    env=env,
+                    stdout=output,
+                    stderr=subprocess.STDOUT,
+                )
+            print(header, flush=True)
+            sys.stdout.write(log.read_text(errors="replace"))
+            sys.stdout.flush()
         seconds = time.perf_counter() - start
         counts = {"passed": 0, "failed": 0, "skipped": 0}
         if report.exists():
@@ -68,15 +93,31 @@ def main(argv=None):
         action="store_true",
         help="do not fail when a backend is not installed",
     )
+    parser.add_argument(
+        "--jobs",
+        type=_positive_int,
+        default=os.cpu_count() or 1,
+        help="backends run at a time (default: the number of CPU cores)",
+    )
     args, pytest_args = parser.parse_known_args(argv)
 
-    results = {}
+    results = dict.fromkeys(args.backends)  # None: not installed
+    installed = []
     for backend in args.backends:
         if importlib.util.find_spec(BACKENDS[backend]) is None:
             print(f"\n=== {backend}: SKIPPED, NOT INSTALLED", flush=True)
-            results[backend] = None
-            continue
-        results[backend] = run_backend(backend, pytest_args or ["tests"])
+        else:
+            installed.append(backend)
+    jobs = min(args.jobs, len(installed)) or 1
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        running = {
+            pool.submit(
+                run_backend, backend, pytest_args or ["tests"], jobs == 1
+            ): backend
+            for backend in installed
+        }
+        for done in as_completed(running):
+            results[running[done]] = done.result()
 
     print("\n=== summary per backend")
     totals = {"passed": 0, "failed": 0, "skipped": 0}
@@ -101,6 +142,13 @@ def main(argv=None):
         f"{totals['skipped']} skipped"
     )
     return 0 if ok else 1
+
+
+def _positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--jobs must be >= 1, got {value}")
+    return value
 
 
 if __name__ == "__main__":

@@ -104,7 +104,13 @@ def peak(held_bytes):
         if not held_bytes:
             return tf.reduce_sum(doubled)
         held = tf.fill([held_bytes // 4], scale)
-        return tf.reduce_sum(doubled) + tf.reduce_sum(held)
+        # Neither sum runs before both tensors exist: unordered, a busy
+        # CPU's executor reduced and freed one before it made the other.
+        with tf.control_dependencies([doubled]):
+            held_sum = tf.reduce_sum(held)
+        with tf.control_dependencies([held]):
+            doubled_sum = tf.reduce_sum(doubled)
+        return doubled_sum + held_sum
 
     scale = tf.constant(1.0)
     step(scale)

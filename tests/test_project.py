@@ -106,16 +106,19 @@ def test_demo_help_describes_every_flag(capsys):
         assert len(line.split(maxsplit=2)) == 3, line  # flag, value, help
 
 
-def test_test_runner_reports_a_missing_backend_as_skipped_and_fails(
-    monkeypatch, capsys
-):
-    import importlib.util
-
+def _test_runner():
     spec = importlib.util.spec_from_file_location(
         "run_tests", ROOT / "scripts" / "run_tests.py"
     )
     run_tests = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(run_tests)
+    return run_tests
+
+
+def test_test_runner_reports_a_missing_backend_as_skipped_and_fails(
+    monkeypatch, capsys
+):
+    run_tests = _test_runner()
     monkeypatch.setattr(
         run_tests.importlib.util, "find_spec", lambda name: None
     )
@@ -125,6 +128,37 @@ def test_test_runner_reports_a_missing_backend_as_skipped_and_fails(
     assert "MISSING BACKENDS: torch" in out
     assert "tests: 0 passed, 0 failed, 0 skipped" in out
     assert run_tests.main(["--backends", "torch", "--allow-missing"]) == 0
+
+
+def test_test_runner_runs_backends_side_by_side_and_reports_each(
+    monkeypatch, capsys
+):
+    run_tests = _test_runner()
+    monkeypatch.setattr(run_tests.importlib.util, "find_spec", lambda n: 1)
+    calls = []
+
+    def run_backend(backend, pytest_args, streamed=True):
+        calls.append((backend, streamed))
+        failed = int(backend == "jax")
+        return {"passed": 2, "failed": failed, "skipped": 1}, 1.0
+
+    monkeypatch.setattr(run_tests, "run_backend", run_backend)
+    assert run_tests.main(["--jobs", "2"]) == 1  # jax's failure
+    assert sorted(calls) == [
+        ("jax", False),
+        ("tensorflow", False),
+        ("torch", False),
+    ]
+    lines = capsys.readouterr().out.splitlines()
+    summary = lines[lines.index("=== summary per backend") + 1 :]
+    assert [line.split()[0] for line in summary[:3]] == list(run_tests.BACKENDS)
+    assert summary[3] == "tests: 6 passed, 1 failed, 3 skipped"
+    calls.clear()
+    assert run_tests.main(["--jobs", "1", "--backends", "torch"]) == 0
+    assert calls == [("torch", True)]  # one at a time: streamed
+    with pytest.raises(SystemExit):
+        run_tests.main(["--jobs", "0"])
+    assert "--jobs must be >= 1, got 0" in capsys.readouterr().err
 
 
 def _clean_env(**extra):
