@@ -4,11 +4,10 @@
                                 [pytest args]
 
 Keras reads `KERAS_BACKEND` at import, so a process holds one backend. The
-backends run `--jobs` at a time (default: one per CPU core, at most one per
-backend), the slowest (TensorFlow) first; a pytest process keeps about one
-core busy. With more than one at a time, each backend's output is printed
-whole when it ends. Each
-backend's pytest run is reported on its own line; a backend that is not
+backends run `--jobs` at a time (default: one per CPU core), the slowest
+(TensorFlow) first: a pytest process keeps about one core busy. With more
+than one at a time, each backend's output is printed whole when it ends.
+Each backend's pytest run is reported on its own line; a backend that is not
 installed is reported as SKIPPED (and makes the run fail unless
 `--allow-missing` is given), never as passed. The last line is the total:
 `tests: N passed, N failed, N skipped`.
@@ -145,9 +144,14 @@ def main(argv=None):
 
 
 def _positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--jobs must be >= 1, got {value}")
+    try:
+        value = int(text)
+    except ValueError:
+        value = text
+    if not isinstance(value, int) or value < 1:
+        raise argparse.ArgumentTypeError(
+            f"--jobs must be an integer >= 1, got {value!r}"
+        )
     return value
 
 

@@ -156,9 +156,11 @@ def test_test_runner_runs_backends_side_by_side_and_reports_each(
     calls.clear()
     assert run_tests.main(["--jobs", "1", "--backends", "torch"]) == 0
     assert calls == [("torch", True)]  # one at a time: streamed
-    with pytest.raises(SystemExit):
-        run_tests.main(["--jobs", "0"])
-    assert "--jobs must be >= 1, got 0" in capsys.readouterr().err
+    for jobs, named in (("0", "0"), ("two", "'two'")):
+        with pytest.raises(SystemExit):
+            run_tests.main(["--jobs", jobs])
+        error = capsys.readouterr().err
+        assert f"--jobs must be an integer >= 1, got {named}" in error
 
 
 def _clean_env(**extra):
