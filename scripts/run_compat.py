@@ -34,13 +34,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# leg -> Keras backend; each reads requirements/compat-<leg>.txt. The
-# slowest (TensorFlow) first, so that two at a time end together.
+# leg -> Keras backend; each reads requirements/compat-<leg>.txt. Slowest
+# first (TensorFlow takes about as long as the two JAX legs together), so
+# that two at a time end together.
 LEGS = {
     "keras3.13-tf2.20": "tensorflow",
+    "keras-nightly-jax": "jax",
     "keras3.10-jax": "jax",
     "keras3.13-torch": "torch",
-    "keras-nightly-jax": "jax",
 }
 
 # The core of the suite that every leg runs.

@@ -43,6 +43,12 @@ def resume(directory):
     x, y = regression_data(21, 2 * K * B)
     restored = keras.saving.load_model(directory / "model.keras")
     assert int(restored.optimizer.micro_steps) == 2
+    if keras.backend.backend() == "torch":
+        # The file keeps the `jit_compile` its source resolved "auto" to,
+        # True from JAX, which torch runs as `torch.compile`: its tracing
+        # would be most of this test's time, and `test_execution_modes`
+        # covers it. The uninterrupted run below takes torch's default.
+        restored.jit_compile = False
     restored.fit(x[6 * B :], y[6 * B :], batch_size=B, shuffle=False, verbose=0)
 
     initial = np.load(directory / "initial.npz")

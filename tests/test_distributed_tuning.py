@@ -3,7 +3,7 @@ KerasTuner's chief and two workers (gRPC on 127.0.0.1), and two Optuna
 workers sharing a SQLite study. The processes run the examples; every wait
 is bounded and every process is killed at the end.
 
-Each on one backend only (KerasTuner on JAX, Optuna on torch): the
+Each on one backend only (KerasTuner on TensorFlow, Optuna on torch): the
 processes are slow to start, and the examples' own tests cover every
 backend."""
 
@@ -63,7 +63,7 @@ def run_all(commands, cwd):
     return outputs
 
 
-@pytest.mark.backends("jax")
+@pytest.mark.backends("tensorflow")
 def test_kerastuner_chief_and_two_workers(tmp_path):
     pytest.importorskip("keras_tuner")
     pytest.importorskip("sklearn")

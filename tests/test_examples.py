@@ -78,8 +78,8 @@ def check_sweep(tmp_path, script, trial_line):
 
 
 # Each example on one backend here; test_distributed_tuning.py runs the
-# KerasTuner one on JAX and the Optuna one on torch.
-@pytest.mark.backends("tensorflow")
+# KerasTuner one on TensorFlow and the Optuna one on torch.
+@pytest.mark.backends("jax")
 def test_kerastuner_sweep(tmp_path):
     pytest.importorskip("keras_tuner")
     pytest.importorskip("sklearn")

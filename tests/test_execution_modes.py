@@ -49,8 +49,24 @@ DISTINCT = {
 MODES = [mode for mode in MODES if mode.id in DISTINCT]
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("cls", list(PARENTS), ids=lambda c: c.__name__)
+def _cases(cases, modes=MODES):
+    """Each of `cases` (`pytest.param`s) in each of `modes`, but on torch
+    `torch.compile` (`jit_compile=True`) only for the first case: it
+    traces each model for tens of seconds, and the cases differ in the
+    parent's update, which is Keras' code under every mode."""
+    torch = keras.backend.backend() == "torch"
+    return [
+        pytest.param(*case.values, mode.values[0], id=f"{case.id}-{mode.id}")
+        for mode in modes
+        for n, case in enumerate(cases)
+        if not (torch and n > 0 and mode.id == "jit_compile=True")
+    ]
+
+
+@pytest.mark.parametrize(
+    "cls, mode",
+    _cases([pytest.param(cls, id=cls.__name__) for cls in PARENTS]),
+)
 def test_fit_in_every_execution_mode_equals_parent_big_batch(cls, mode):
     options = OPTIONS[cls.__name__]
     x, y = regression_data(9, WINDOWS * K * B + B)  # one window left partial
@@ -103,25 +119,34 @@ def _tokens(rng, repeat):
     )
 
 
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
-    "parent_cls, options, repeat, features",
-    [
-        # The features read the gradients too: an `IndexedSlices`' merged
-        # rows have a shape known only at run time (under XLA as well).
-        (
-            keras.optimizers.SGD,
-            dict(momentum=0.9, nesterov=True),
-            True,
-            dict(skip_nonfinite=True, measure_noise_scale=True),
-        ),
-        # On TensorFlow, Keras' Adam squares an `IndexedSlices` gradient
-        # slice by slice, so with a token repeated in the big batch its
-        # second moment is not that of the summed gradient, which is what
-        # the window's mean is (docs/how-it-works.md). Unique tokens here.
-        (keras.optimizers.Adam, dict(amsgrad=True), False, {}),
-    ],
-    ids=["SGD-repeated-tokens-skip-noise-scale", "Adam-unique-tokens"],
+    "parent_cls, options, repeat, features, mode",
+    _cases(
+        [
+            # The features read the gradients too: an `IndexedSlices`'
+            # merged rows have a shape known only at run time (under XLA
+            # as well).
+            pytest.param(
+                keras.optimizers.SGD,
+                dict(momentum=0.9, nesterov=True),
+                True,
+                dict(skip_nonfinite=True, measure_noise_scale=True),
+                id="SGD-repeated-tokens-skip-noise-scale",
+            ),
+            # On TensorFlow, Keras' Adam squares an `IndexedSlices`
+            # gradient slice by slice, so with a token repeated in the big
+            # batch its second moment is not that of the summed gradient,
+            # which is what the window's mean is (docs/how-it-works.md).
+            # Unique tokens here.
+            pytest.param(
+                keras.optimizers.Adam,
+                dict(amsgrad=True),
+                False,
+                {},
+                id="Adam-unique-tokens",
+            ),
+        ]
+    ),
 )
 def test_sparse_embedding_gradients_equal_parent_big_batch(
     parent_cls, options, repeat, features, mode
