@@ -29,7 +29,9 @@
   same micro-batches: each checking its own variables only would let one
   skip a micro-batch another adds, and their windows drift apart;
 - `apply` warns, once, of inner optimizers whose windows `by_noise_scale`
-  sizes, each from its own variables.
+  sizes, each from its own variables, or whose windows differ (another
+  `accum_iters`, or an optimizer that does not accumulate): no big batch
+  updates a model that way.
 
 Any other optimizer behaves as Keras wrote it. The patches hand the
 accumulating optimizers their values through `_inputs`.
@@ -62,7 +64,7 @@ from accum_optimizers._window.step import note_loss
 # The Keras classes `install` patched (a second `install` leaves them be).
 _PATCHED = set()
 
-# The `MultiOptimizer`s `_warn_of_windows_sized_apart` warned of; held weakly.
+# The `MultiOptimizer`s `_warn_of_windows_apart` warned of; held weakly.
 _WARNED_WINDOWS_APART = weakref.WeakSet()
 
 # The saved state (loss scale, step counter, then the inner optimizer's) of
@@ -247,7 +249,7 @@ def _install_multi_optimizer():
     def agreeing_apply(self, grads, trainable_variables=None):
         _check_inner_calls(self, grads, trainable_variables)
         inner = accumulating(self)
-        _warn_of_windows_sized_apart(self, inner)
+        _warn_of_windows_apart(self, inner)
         skipping = [o for o in inner if o.skip_nonfinite]
         if skipping and len(grads):
             finite = skipping[0]._window_backend.read_gradients(
@@ -271,12 +273,13 @@ def _install_multi_optimizer():
     _PATCHED.add(cls)
 
 
-def _warn_of_windows_sized_apart(multi, accumulating):
-    """Warns once per `MultiOptimizer` whose `accumulating` optimizers
-    size their windows by the noise scale (`by_noise_scale`): each
-    measures its own variables, so their windows may close at different
-    micro-batches, where the big batch updates the whole model at once."""
-    if multi in _WARNED_WINDOWS_APART or len(accumulating) < 2:
+def _warn_of_windows_apart(multi, accumulating):
+    """Warns once per `MultiOptimizer` whose optimizers may close their
+    windows at different micro-batches, where the big batch updates the
+    whole model at once: `accumulating` ones that size their windows by
+    `by_noise_scale` (each from the noise scale of its own variables), or
+    optimizers whose windows differ (`_window_of`)."""
+    if multi in _WARNED_WINDOWS_APART or not accumulating:
         return
     _WARNED_WINDOWS_APART.add(multi)
     keyed = [
@@ -292,6 +295,46 @@ def _warn_of_windows_sized_apart(multi, accumulating):
             "updates or samples), or use one accumulating optimizer.",
             stacklevel=3,
         )
+        return
+    windows = [(o, _window_of(o)) for o in multi.optimizers]
+    if all(window == windows[0][1] for _, window in windows):
+        return
+    listed = ", ".join(
+        f"'{o.name}' ({type(o).__name__}): {_shown(window)}"
+        for o, window in windows
+    )
+    warnings.warn(
+        f"MultiOptimizer '{multi.name}': its optimizers update at "
+        f"different micro-batches ({listed}), so no big batch trains the "
+        "model as it does: each updates its variables with the mean over "
+        "its own window. For the big batch, give every optimizer in it "
+        "the same `accum_iters` (an optimizer that does not accumulate "
+        "updates on every micro-batch: use its accumulating class, such "
+        "as `AdamAccumulate` for `Adam`).",
+        stacklevel=3,
+    )
+
+
+def _window_of(optimizer):
+    """What sizes `optimizer`'s windows, comparable between optimizers:
+    its `accum_iters` (an int, a dict, or a schedule's class name and
+    config) where it keeps a window, Keras' `gradient_accumulation_steps`
+    where it has them, else 1 (an update per micro-batch)."""
+    if not (is_accumulating_class(optimizer) and optimizer._has_window):
+        return getattr(optimizer, "gradient_accumulation_steps", None) or 1
+    accum_iters = optimizer.accum_iters
+    if isinstance(accum_iters, (int, dict)):
+        return accum_iters
+    return type(accum_iters).__name__, accum_iters.get_config()
+
+
+def _shown(window):
+    """A `_window_of` as the warning names it."""
+    if window == 1:
+        return "every micro-batch"
+    if isinstance(window, tuple):
+        return f"accum_iters={window[0]}(...)"
+    return f"accum_iters={window!r}"
 
 
 def _check_inner_calls(multi, grads, trainable_variables):

@@ -180,6 +180,49 @@ def test_a_multi_optimizer_warns_of_windows_sized_by_the_noise_scale():
     not hasattr(keras.optimizers, "MultiOptimizer"),
     reason="this Keras has no MultiOptimizer",
 )
+@pytest.mark.parametrize(
+    "second, named",
+    [
+        (lambda: AdamAccumulate(0.01, accum_iters=K), None),
+        # Keras' own accumulation over the same window
+        (lambda: keras.optimizers.Adam(gradient_accumulation_steps=K), None),
+        (lambda: AdamAccumulate(0.01, accum_iters=2), "accum_iters=2"),
+        (lambda: keras.optimizers.Adam(0.01), "(Adam): every micro-batch"),
+        (
+            lambda: AdamAccumulate(0.01, accum_iters={0: K, 3: 2 * K}),
+            "accum_iters={0: 4, 3: 8}",
+        ),
+    ],
+    ids=["same", "keras-same", "other-k", "not-accumulating", "other-dict"],
+)
+def test_a_multi_optimizer_warns_once_of_optimizers_updating_apart(
+    second, named
+):
+    # The model's variables updated at different micro-batches are no big
+    # batch's: a `MultiOptimizer` says so, naming each optimizer's window.
+    variables = [keras.Variable(ops.ones((2,))), keras.Variable(ops.ones(()))]
+    first = SGDAccumulate(0.1, accum_iters=K)
+    multi = keras.optimizers.MultiOptimizer(
+        lambda v: first if len(v.shape) else second_optimizer
+    )
+    second_optimizer = second()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            multi.apply([ops.ones((2,)), ops.ones(())], variables)
+    apart = [str(w.message) for w in caught if "update at" in str(w.message)]
+    if named is None:
+        assert not apart, apart
+        return
+    assert len(apart) == 1, apart  # once per MultiOptimizer
+    assert f"'{first.name}' (SGDAccumulate): accum_iters=4" in apart[0]
+    assert f"'{second_optimizer.name}' " in apart[0] and named in apart[0]
+
+
+@pytest.mark.skipif(
+    not hasattr(keras.optimizers, "MultiOptimizer"),
+    reason="this Keras has no MultiOptimizer",
+)
 def test_a_keras_file_of_a_multi_optimizer_loads_as_keras_own_does(tmp_path):
     # The oracle is Keras' own `MultiOptimizer`: where it loads no state
     # back (it warns), ours must warn too, not make the file unloadable;
