@@ -612,3 +612,29 @@ def test_in_stateless_scope_is_true_only_inside_one():
     assert not _keras_private.in_stateless_scope()
     with keras.StatelessScope(state_mapping=[(variable, 2.0)]):
         assert _keras_private.in_stateless_scope()
+
+
+def test_loss_scale_build_adds_its_step_counter_then_its_scale():
+    # `_wrappers._saved_own_state` and `_saved_scale` read a loss scale's
+    # saved state by position: the constructor's variables, then what
+    # `build` adds, `step_counter` and then `dynamic_scale`, then the
+    # inner optimizer's.
+    variables = [keras.Variable([1.0, 2.0])]
+    wrapper = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(), initial_scale=8.0
+    )
+    before = len(wrapper._variables)
+    wrapper.build(variables)
+    added = wrapper._variables[before:]
+    assert [v is wrapper.step_counter for v in added] == [True, False]
+    assert added[1] is wrapper.dynamic_scale
+    assert float(keras.ops.convert_to_numpy(added[1])) == 8.0
+    own = wrapper._variables
+    assert [id(v) for v in wrapper.variables] == [
+        id(v) for v in [*own, *wrapper.inner_optimizer.variables]
+    ]
+    store = {}
+    wrapper.save_own_variables(store)
+    saved = [np.asarray(store[str(i)]) for i in range(len(store))]
+    assert len(saved) == len(own) + len(wrapper.inner_optimizer.variables)
+    assert float(saved[len(own) - 1]) == 8.0
