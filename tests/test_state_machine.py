@@ -13,7 +13,13 @@ negative or non-finite loss normalizer (`weigh_micro_batches`; TensorFlow
 XLA and `jax.jit`: compiled code cannot raise). Layers (nested
 `AccumBatchNormalization`)
 are not part of this machine: they are a model's, tested in
-`test_features_combined.py`."""
+`test_features_combined.py`. Drawn runs also put the optimizer in a
+`MultiOptimizer` beside a second one of its kind for the last variable,
+checked against Keras' `MultiOptimizer` of the parents: Keras' refuses a
+call where one of its optimizers gets no gradient, or not every variable,
+so the second always gets its gradient, and neither weights, losses nor
+freezing pass through it (the fit fuzzer draws a `MultiOptimizer` in
+`fit`)."""
 
 import warnings
 
@@ -63,6 +69,9 @@ refused_normalizers = st.sampled_from(
 # Where compiled code leaves a micro-batch of a refused normalizer out of its
 # window (and `fit` raises at its end); eager code raises at once.
 COMPILED = {"tensorflow": "xla", "jax": "jit"}.get(keras.backend.backend())
+HAS_MULTI = hasattr(keras.optimizers, "MultiOptimizer")
+# Under a `MultiOptimizer`, the last variable's optimizer (`second`).
+SECOND = len(SHAPES) - 1
 grad_values = st.integers(0, 2**32 - 1).map(
     lambda seed: [
         np.random.default_rng(seed).normal(size=s).astype("float32")
@@ -86,8 +95,9 @@ class AccumulationMachine(RuleBasedStateMachine):
         accum_iters=st.integers(2, 4),
         loss_scaled=st.booleans(),
         skip_nonfinite=st.booleans(),
+        multi=st.booleans() if HAS_MULTI else st.just(False),
     )
-    def setup(self, name, accum_iters, loss_scaled, skip_nonfinite):
+    def setup(self, name, accum_iters, loss_scaled, skip_nonfinite, multi):
         keras.backend.clear_session(free_memory=False)
         cls, options = CLASSES[name]
         parent_cls = PARENTS[cls]
@@ -96,9 +106,15 @@ class AccumulationMachine(RuleBasedStateMachine):
         initial = [np.full(s, 0.5, "float32") for s in SHAPES]
         self.variables = [keras.Variable(v) for v in initial]
         self.optimizer = cls(accum_iters=accum_iters, **self.options)
-        self.optimizer.build(self.variables)
+        self.second = None  # the last variable's, under a MultiOptimizer
+        self.multi = None
         self.reference = [keras.Variable(v) for v in initial]
         self.parent = parent_cls(**options)
+        if multi and not loss_scaled:
+            self.second = cls(accum_iters=accum_iters, **self.options)
+            self.multi = _multi(self.optimizer, self.second)
+            self.parent = _multi(self.parent, parent_cls(**options))
+        self._applying().build(self.variables)
         self.parent.build(self.reference)
         self.window = []  # the reference's pending calls: lists with None
         self.weights = []  # and their weights (None counts 1)
@@ -119,6 +135,16 @@ class AccumulationMachine(RuleBasedStateMachine):
             self.wrapper = self._wrap(self.optimizer)
             self.wrapper.build(self.variables)
         self.scale, self.scale_steps = INITIAL_SCALE, 0
+
+    def _applying(self):
+        """What the machine calls `apply` on, unless a loss scale wraps
+        it: the optimizer, or its `MultiOptimizer`."""
+        return self.multi or self.optimizer
+
+    def _ours(self):
+        """The accumulating optimizers: the optimizer, and under a
+        `MultiOptimizer` the second."""
+        return [self.optimizer] + ([self.second] if self.multi else [])
 
     def _wrapper_apply(self, grads):
         if keras.backend.backend() != "jax":
@@ -143,7 +169,7 @@ class AccumulationMachine(RuleBasedStateMachine):
     def _model(self):
         """The holder model, compiled with the optimizer `fit` would see
         (the `LossScaleOptimizer`, if any) and weighed."""
-        optimizer = self.wrapper or self.optimizer
+        optimizer = self.wrapper or self._applying()
         if getattr(self.holder, "optimizer", None) is not optimizer:
             self.holder.compile(
                 optimizer=optimizer,
@@ -212,13 +238,21 @@ class AccumulationMachine(RuleBasedStateMachine):
     # -- The reference ---------------------------------------------------
 
     def _reference_apply(self, indices):
-        parent_on_window_means(
-            self.parent,
-            self.reference,
-            [self.window],
-            [self.weights],
-            updated=indices,
-        )
+        parents, groups = [self.parent], [indices]
+        if self.multi:  # each parent updates its own variables
+            parents = self.parent.optimizers
+            groups = [
+                [i for i in indices if i != SECOND],
+                [i for i in indices if i == SECOND],
+            ]
+        for parent, group in zip(parents, groups):
+            parent_on_window_means(
+                parent,
+                self.reference,
+                [self.window],
+                [self.weights],
+                updated=group,
+            )
         weights = [1.0 if w is None else w for w in self.weights]
         if not indices:  # no update (a flush of frozen variables only)
             self.window, self.weights, self.losses = [], [], []
@@ -228,7 +262,8 @@ class AccumulationMachine(RuleBasedStateMachine):
         else:
             self.window_loss = np.average(self.losses, weights=weights)
         squares, overflows = 0.0, False
-        for i in indices:
+        # The optimizer's window gradient norm is over its own variables.
+        for i in [i for i in indices if not (self.multi and i == SECOND)]:
             zero = np.zeros(SHAPES[i])
             grads = [zero if g[i] is None else g[i] for g in self.window]
             mean = np.average(np.asarray(grads, "float64"), 0, weights)
@@ -248,7 +283,14 @@ class AccumulationMachine(RuleBasedStateMachine):
         if all(g is None for g in grads):
             return
         tensor = keras.ops.convert_to_tensor
-        if self.wrapper is not None:
+        if self.multi:
+            # Its `apply` takes every variable and no weight or loss.
+            self.multi.apply(
+                [None if g is None else tensor(g) for g in grads],
+                self.variables,
+            )
+            weight = loss = None
+        elif self.wrapper is not None:
             # Gradients of the scaled loss (powers of 2: unscaled exactly);
             # `LossScaleOptimizer.apply` takes no `weight` (or `loss`).
             weight = loss = None
@@ -304,6 +346,11 @@ class AccumulationMachine(RuleBasedStateMachine):
         loss=losses,
     )
     def apply_some(self, grads, missing, subset, weight, loss):
+        if self.multi:
+            # Each of its optimizers gets a gradient.
+            missing = missing - {SECOND}
+            if missing >= set(range(SECOND)):
+                missing = missing - {0}
         self._call(
             [None if i in missing else g for i, g in enumerate(grads)],
             subset,
@@ -336,6 +383,9 @@ class AccumulationMachine(RuleBasedStateMachine):
                 [None if g is None else g * self.scale for g in passed]
             )
             self.scale, self.scale_steps = self.scale / 2, 0
+        elif self.multi:
+            self.multi.apply(passed, self.variables)
+            self.skipped += 1
         else:
             self.optimizer.apply(passed, self.variables, weight=weight)
             self.skipped += 1
@@ -346,25 +396,29 @@ class AccumulationMachine(RuleBasedStateMachine):
         bad_weight_value=bad_weights,
     )
     def apply_that_raises(self, grads, position, bad_weight_value):
-        # A wrong-shaped gradient, or a weight that is no count.
-        bad_weight = position == 0
+        # A wrong-shaped gradient, or a weight that is no count. Through a
+        # `MultiOptimizer`, no optimizer in it may write.
+        bad_weight = position == 0 and not self.multi
         if not bad_weight:
             grads[position] = np.ones((1,) * len(SHAPES[position]), "float32")
-        before = to_numpy(self.variables) + to_numpy(self.optimizer.variables)
+        applying = self._applying()
+        before = to_numpy(self.variables) + to_numpy(applying.variables)
+        weight = {"weight": bad_weight_value} if bad_weight else {}
         try:
-            self.optimizer.apply(
+            applying.apply(
                 [keras.ops.convert_to_tensor(g) for g in grads],
                 self.variables,
-                weight=bad_weight_value if bad_weight else None,
+                **weight,
             )
         except ValueError as error:
             assert ("weight" if bad_weight else "shape") in str(error)
         else:
             raise AssertionError("a bad call was accepted")
-        after = to_numpy(self.variables) + to_numpy(self.optimizer.variables)
+        after = to_numpy(self.variables) + to_numpy(applying.variables)
         for a, b in zip(after, before):
             np.testing.assert_array_equal(a, b)
 
+    @precondition(lambda self: not self.multi)  # Keras' refuses a subset
     @rule()
     def freeze_or_unfreeze(self):
         self.frozen = not self.frozen
@@ -372,7 +426,8 @@ class AccumulationMachine(RuleBasedStateMachine):
 
     @rule()
     def flush(self):
-        self.optimizer.flush()
+        for optimizer in self._ours():
+            optimizer.flush()
         if self.window:
             self._reference_apply(self._reached())
 
@@ -380,6 +435,7 @@ class AccumulationMachine(RuleBasedStateMachine):
         lambda self: (
             COMPILED is not None
             and self.wrapper is None
+            and self.multi is None
             and not self.options["skip_nonfinite"]
         )
     )
@@ -430,8 +486,9 @@ class AccumulationMachine(RuleBasedStateMachine):
         warned = [str(w.message) for w in caught if "pending" in str(w.message)]
         if flush or not pending:
             assert not warned, warned
-        else:
-            assert len(warned) == 1 and f"{pending} micro-batches" in warned[0]
+        else:  # one per accumulating optimizer
+            assert len(warned) == len(self._ours()), warned
+            assert all(f"{pending} micro-batches" in w for w in warned)
         if flush:
             callback.on_train_end()  # nothing more is pending
 
@@ -439,27 +496,39 @@ class AccumulationMachine(RuleBasedStateMachine):
     def save_and_load(self, before_build):
         # As Keras' saving stores them: a LossScaleOptimizer's variables
         # (its own and the inner optimizer's), and the inner one's.
-        store, wrapper_store = {}, {}
-        self.optimizer.save_own_variables(store)
+        # Under a `MultiOptimizer`, each of its optimizers' own.
+        stores, wrapper_store = [{} for _ in self._ours()], {}
+        for optimizer, store in zip(self._ours(), stores):
+            optimizer.save_own_variables(store)
         if self.wrapper is not None:
             self.wrapper.save_own_variables(wrapper_store)
-        restored = self.cls(accum_iters=self.accum_iters, **self.options)
-        wrapper = None if self.wrapper is None else self._wrap(restored)
-        built = wrapper or restored
-        if before_build:  # weights-only resume: load, then build
+        restored = [
+            self.cls(accum_iters=self.accum_iters, **self.options)
+            for _ in stores
+        ]
+        multi = _multi(*restored) if self.multi else None
+        wrapper = None if self.wrapper is None else self._wrap(restored[0])
+        built = wrapper or multi or restored[0]
+
+        def load():
             if wrapper is not None:
                 wrapper.load_own_variables(wrapper_store)
-            restored.load_own_variables(store)
+            for optimizer, store in zip(restored, stores):
+                optimizer.load_own_variables(store)
+
+        if before_build:  # weights-only resume: load, then build
+            load()
             built.build(self.variables)
         else:
             built.build(self.variables)
-            if wrapper is not None:
-                wrapper.load_own_variables(wrapper_store)
-            restored.load_own_variables(store)
-        self.optimizer, self.wrapper = restored, wrapper
+            load()
+        self.optimizer, self.wrapper, self.multi = restored[0], wrapper, multi
+        self.second = restored[1] if multi else None
         self.refused = 0  # the saved run's `fit` reports its refusals
 
-    @precondition(lambda self: self.window and self.wrapper is None)
+    @precondition(
+        lambda self: self.window and self.wrapper is None and not self.multi
+    )
     @rule(accum_iters=st.integers(2, 5))
     def load_into_another_accum_iters(self, accum_iters):
         store = {}
@@ -486,15 +555,17 @@ class AccumulationMachine(RuleBasedStateMachine):
             atol=1e-6,
             what="variable",
         )
-        assert_all_close(
-            self.optimizer.variables[: len(self.parent.variables)],
-            self.parent.variables,
-            rtol=1e-5,
-            atol=1e-6,
-            what="optimizer variable",
-        )
-        assert int(self.optimizer.micro_steps) == len(self.window)
-        assert int(self.optimizer.skipped_micro_batches) == self.skipped
+        parents = self.parent.optimizers if self.multi else [self.parent]
+        for ours, parent in zip(self._ours(), parents):
+            assert_all_close(
+                ours.variables[: len(parent.variables)],
+                parent.variables,
+                rtol=1e-5,
+                atol=1e-6,
+                what="optimizer variable",
+            )
+            assert int(ours.micro_steps) == len(self.window)
+            assert int(ours.skipped_micro_batches) == self.skipped
         np.testing.assert_allclose(
             float(self.optimizer.samples_seen), self.samples, rtol=1e-6
         )
@@ -511,6 +582,14 @@ class AccumulationMachine(RuleBasedStateMachine):
             scale = to_numpy([self.wrapper.dynamic_scale])[0]
             steps = to_numpy([self.wrapper.step_counter])[0]
             assert (float(scale), int(steps)) == (self.scale, self.scale_steps)
+
+
+def _multi(first, second):
+    """A `MultiOptimizer`: `second` for the last variable, `first` for the
+    others."""
+    return keras.optimizers.MultiOptimizer(
+        lambda v: second if tuple(v.shape) == SHAPES[SECOND] else first
+    )
 
 
 AccumulationMachine.TestCase.settings = settings(
@@ -530,7 +609,9 @@ def test_refused_normalizers_raise_at_the_end_of_fit_with_or_without_flush():
     # pending-window warning), checked after every step.
     grads = [np.full(s, 0.25, "float32") for s in SHAPES]
     machine = AccumulationMachine()
-    machine.setup("adam", 2, loss_scaled=False, skip_nonfinite=False)
+    machine.setup(
+        "adam", 2, loss_scaled=False, skip_nonfinite=False, multi=False
+    )
     steps = [
         lambda: machine.apply_all(grads, weight=3.0, loss=None),
         lambda: machine.apply_refused_normalizer(grads, -1.0, scaled=False),
@@ -553,7 +634,9 @@ def test_refused_normalizers_raise_at_the_end_of_fit_with_or_without_flush():
 def test_a_fit_that_raised_with_the_flush_leaves_the_next_fit_its_warning():
     grads = [np.full(s, 0.25, "float32") for s in SHAPES]
     machine = AccumulationMachine()
-    machine.setup("sgd", 2, loss_scaled=False, skip_nonfinite=False)
+    machine.setup(
+        "sgd", 2, loss_scaled=False, skip_nonfinite=False, multi=False
+    )
     machine.apply_refused_normalizer(grads, -1.0, scaled=False)
     machine.end_of_fit(flush=True)  # raises for the refused micro-batch
     machine.apply_all(grads, weight=None, loss=None)
@@ -564,7 +647,9 @@ def test_a_fit_that_raised_with_the_flush_leaves_the_next_fit_its_warning():
 def test_a_loaded_optimizer_does_not_report_its_saved_runs_refusals_again():
     grads = [np.full(s, 0.25, "float32") for s in SHAPES]
     machine = AccumulationMachine()
-    machine.setup("sgd", 2, loss_scaled=False, skip_nonfinite=False)
+    machine.setup(
+        "sgd", 2, loss_scaled=False, skip_nonfinite=False, multi=False
+    )
     machine.apply_refused_normalizer(grads, -1.0, scaled=False)
     machine.end_of_fit(flush=False)  # raises for it
     machine.save_and_load(before_build=False)
