@@ -1,6 +1,7 @@
 """The accumulating optimizers a model's optimizer applies through: itself,
-the one a `LossScaleOptimizer` wraps, or those of a `MultiOptimizer`; and
-a `MultiOptimizer`'s update count; a model's, checked for the callbacks.
+the one a `LossScaleOptimizer` wraps, or those of a `MultiOptimizer`; what
+sizes each one's windows; a `MultiOptimizer`'s update count; a model's,
+checked for the callbacks.
 Used by the callbacks, the planner and `weigh_micro_batches`."""
 
 import keras
@@ -64,9 +65,37 @@ def _shared_window_optimizer(optimizer):
     accumulating = accumulating_optimizers(optimizer)
     if not accumulating or len(accumulating) != len(optimizer.optimizers):
         return None
-    if len({repr(o.accum_iters) for o in accumulating}) != 1:
+    first = window_of(accumulating[0])
+    if any(window_of(o) != first for o in accumulating[1:]):
         return None
     return accumulating[0]
+
+
+def window_of(optimizer):
+    """What sizes `optimizer`'s windows, comparable between optimizers:
+    its `accum_iters` (an int, a dict, or a schedule's class name and
+    config) where it keeps a window, Keras' `gradient_accumulation_steps`
+    where it has them, else 1 (an update per micro-batch)."""
+    if not (
+        isinstance(optimizer, GradientAccumulation) and optimizer._has_window
+    ):
+        return getattr(optimizer, "gradient_accumulation_steps", None) or 1
+    accum_iters = optimizer.accum_iters
+    if isinstance(accum_iters, (int, dict)):
+        return accum_iters
+    try:
+        return type(accum_iters).__name__, accum_iters.get_config()
+    except NotImplementedError:
+        return accum_iters  # a schedule without a config: itself
+
+
+def shown_window(window):
+    """A `window_of` as messages name it: the int or dict, or the
+    schedule's class name."""
+    if isinstance(window, (int, dict)):
+        return repr(window)
+    name = window[0] if isinstance(window, tuple) else type(window).__name__
+    return f"{name}(...)"
 
 
 def accumulating_of_model(model, caller):

@@ -17,6 +17,8 @@ from accum_optimizers import schedules
 from accum_optimizers._inner import accumulating_of_model
 from accum_optimizers._inner import count_updates_in_multi_optimizer
 from accum_optimizers._inner import refuse_skips_with_accum_batch_norm
+from accum_optimizers._inner import shown_window
+from accum_optimizers._inner import window_of
 from accum_optimizers._window.adascale import uses_adascale
 from accum_optimizers._window.noise import measuring
 from accum_optimizers._window.noise import read_outs_of
@@ -160,12 +162,13 @@ class AccumulationLogger(keras.callbacks.Callback):
         model's, or the first of a `MultiOptimizer`'s, whose inner
         accumulating optimizers must then share one `accum_iters`."""
         optimizers = accumulating_of_model(self.model, "AccumulationLogger")
-        sizes = [o.accum_iters for o in optimizers]
-        if len({repr(size) for size in sizes}) > 1:
+        sizes = [window_of(o) for o in optimizers]
+        if any(size != sizes[0] for size in sizes[1:]):
+            shown = ", ".join(shown_window(size) for size in sizes)
             raise ValueError(
                 "AccumulationLogger logs one window, but the "
                 "MultiOptimizer's accumulating optimizers have different "
-                f"windows: accum_iters={sizes}. Give them the same "
+                f"windows: accum_iters=[{shown}]. Give them the same "
                 "`accum_iters`."
             )
         return optimizers[0]

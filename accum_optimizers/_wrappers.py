@@ -50,6 +50,8 @@ from accum_optimizers._accumulation import GradientAccumulation
 from accum_optimizers._backend import outside_compiled_code
 from accum_optimizers._inner import accumulating_optimizers
 from accum_optimizers._inner import count_updates_in_multi_optimizer
+from accum_optimizers._inner import shown_window
+from accum_optimizers._inner import window_of
 from accum_optimizers._noise_schedule import keyed_on_noise_scale
 from accum_optimizers._validation import concrete_value
 from accum_optimizers._validation import validate_gradient
@@ -278,7 +280,7 @@ def _warn_of_windows_apart(multi, accumulating):
     windows at different micro-batches, where the big batch updates the
     whole model at once: `accumulating` ones that size their windows by
     `by_noise_scale` (each from the noise scale of its own variables), or
-    optimizers whose windows differ (`_window_of`)."""
+    optimizers whose windows differ (`window_of`)."""
     if multi in _WARNED_WINDOWS_APART or not accumulating:
         return
     _WARNED_WINDOWS_APART.add(multi)
@@ -296,11 +298,16 @@ def _warn_of_windows_apart(multi, accumulating):
             stacklevel=3,
         )
         return
-    windows = [(o, _window_of(o)) for o in multi.optimizers]
+    windows = [(o, window_of(o)) for o in multi.optimizers]
     if all(window == windows[0][1] for _, window in windows):
         return
     listed = ", ".join(
-        f"'{o.name}' ({type(o).__name__}): {_shown(window)}"
+        f"'{o.name}' ({type(o).__name__}): "
+        + (
+            "every micro-batch"
+            if window == 1
+            else f"accum_iters={shown_window(window)}"
+        )
         for o, window in windows
     )
     warnings.warn(
@@ -313,28 +320,6 @@ def _warn_of_windows_apart(multi, accumulating):
         "as `AdamAccumulate` for `Adam`).",
         stacklevel=3,
     )
-
-
-def _window_of(optimizer):
-    """What sizes `optimizer`'s windows, comparable between optimizers:
-    its `accum_iters` (an int, a dict, or a schedule's class name and
-    config) where it keeps a window, Keras' `gradient_accumulation_steps`
-    where it has them, else 1 (an update per micro-batch)."""
-    if not (is_accumulating_class(optimizer) and optimizer._has_window):
-        return getattr(optimizer, "gradient_accumulation_steps", None) or 1
-    accum_iters = optimizer.accum_iters
-    if isinstance(accum_iters, (int, dict)):
-        return accum_iters
-    return type(accum_iters).__name__, accum_iters.get_config()
-
-
-def _shown(window):
-    """A `_window_of` as the warning names it."""
-    if window == 1:
-        return "every micro-batch"
-    if isinstance(window, tuple):
-        return f"accum_iters={window[0]}(...)"
-    return f"accum_iters={window!r}"
 
 
 def _check_inner_calls(multi, grads, trainable_variables):

@@ -14,6 +14,7 @@ from keras import ops
 from accum_optimizers import AdamAccumulate
 from accum_optimizers import SGDAccumulate
 from accum_optimizers import accumulating
+from accum_optimizers.schedules import AccumSchedule
 from accum_optimizers.schedules import by_noise_scale
 
 K, B = 4, 2
@@ -104,6 +105,11 @@ def test_a_users_optimizer_saved_mid_window_resumes_with_custom_objects(
     assert_same_weights(restored, uninterrupted, rtol=1e-6, atol=1e-7)
 
 
+class _Pairs(AccumSchedule):
+    def __call__(self, update):
+        return 2
+
+
 def _multi(sgd, adam):
     return keras.optimizers.MultiOptimizer(
         keras.optimizers.OptimizerMap(sgd, {"sequential/dense_1/.*": adam})
@@ -192,8 +198,20 @@ def test_a_multi_optimizer_warns_of_windows_sized_by_the_noise_scale():
             lambda: AdamAccumulate(0.01, accum_iters={0: K, 3: 2 * K}),
             "accum_iters={0: 4, 3: 8}",
         ),
+        # A user's schedule without a config: named by its class.
+        (
+            lambda: AdamAccumulate(0.01, accum_iters=_Pairs()),
+            "accum_iters=_Pairs(...)",
+        ),
     ],
-    ids=["same", "keras-same", "other-k", "not-accumulating", "other-dict"],
+    ids=[
+        "same",
+        "keras-same",
+        "other-k",
+        "not-accumulating",
+        "other-dict",
+        "schedule-without-config",
+    ],
 )
 def test_a_multi_optimizer_warns_once_of_optimizers_updating_apart(
     second, named

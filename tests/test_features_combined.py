@@ -7,6 +7,7 @@ problem.
 Oracles: the parent Keras optimizer (or `BatchNormalization`) trained on the
 concatenated big batch, the uninterrupted run, Keras' own `evaluate`."""
 
+import re
 import warnings
 
 import keras
@@ -25,6 +26,7 @@ from accum_optimizers import FlushAccumulation
 from accum_optimizers import SGDAccumulate
 from accum_optimizers import weigh_micro_batches
 from accum_optimizers.layers import with_accum_batch_norm
+from accum_optimizers.schedules import AccumSchedule
 from accum_optimizers.schedules import LinearRamp
 
 BACKEND = keras.backend.backend()
@@ -107,16 +109,30 @@ def test_multi_optimizer_iterations_count_updates_and_logger_reads_them():
     assert history.history["updates"] == [1, 2]
 
 
-def test_logger_refuses_a_multi_optimizer_of_different_windows():
+class _Threes(AccumSchedule):
+    """A user's schedule that gives no config."""
+
+    def __call__(self, update):
+        return 3
+
+
+@pytest.mark.parametrize(
+    "accum_iters, shown", [(3, "3"), (_Threes(), "_Threes(...)")]
+)
+def test_logger_refuses_a_multi_optimizer_of_different_windows(
+    accum_iters, shown
+):
     x, y = regression_data(5, 8)
     model = small_model(5)
     model.compile(
         optimizer=_multi(
-            SGDAccumulate(0.1, accum_iters=2), AdamAccumulate(accum_iters=3)
+            SGDAccumulate(0.1, accum_iters=2),
+            AdamAccumulate(accum_iters=accum_iters),
         ),
         loss="mse",
     )
-    with pytest.raises(ValueError, match=r"accum_iters=\[3, 2\]"):
+    expected = re.escape(f"accum_iters=[{shown}, 2]")
+    with pytest.raises(ValueError, match=expected):
         _fit(model, x, y, 2, callbacks=[AccumulationLogger()])
 
 
