@@ -49,15 +49,15 @@ DISTINCT = {
 MODES = [mode for mode in MODES if mode.id in DISTINCT]
 
 
-def _cases(cases, modes=MODES):
-    """Each of `cases` (`pytest.param`s) in each of `modes`, but on torch
+def _cases(cases):
+    """Each of `cases` (`pytest.param`s) in each of `MODES`, but on torch
     `torch.compile` (`jit_compile=True`) only for the first case: it
     traces each model for tens of seconds, and the cases differ in the
     parent's update, which is Keras' code under every mode."""
     torch = keras.backend.backend() == "torch"
     return [
         pytest.param(*case.values, mode.values[0], id=f"{case.id}-{mode.id}")
-        for mode in modes
+        for mode in MODES
         for n, case in enumerate(cases)
         if not (torch and n > 0 and mode.id == "jit_compile=True")
     ]
