@@ -278,16 +278,16 @@ def _install_multi_optimizer():
 def _warn_of_windows_apart(multi, accumulating):
     """Warns once per `MultiOptimizer` whose optimizers may close their
     windows at different micro-batches, where the big batch updates the
-    whole model at once: `accumulating` ones that size their windows by
-    `by_noise_scale` (each from the noise scale of its own variables), or
-    optimizers whose windows differ (`window_of`)."""
+    whole model at once: several `accumulating` ones, one of which sizes
+    its windows by `by_noise_scale` (each measures the noise scale of its
+    own variables), or optimizers whose windows differ (`window_of`)."""
     if multi in _WARNED_WINDOWS_APART or not accumulating:
         return
     _WARNED_WINDOWS_APART.add(multi)
     keyed = [
         o.name for o in accumulating if keyed_on_noise_scale(o.accum_iters)
     ]
-    if keyed:
+    if keyed and len(accumulating) > 1:
         warnings.warn(
             f"MultiOptimizer '{multi.name}': its optimizers {keyed} size "
             "their windows by `by_noise_scale`, each from the noise scale "

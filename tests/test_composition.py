@@ -219,11 +219,10 @@ def test_a_multi_optimizer_warns_once_of_optimizers_updating_apart(
     # The model's variables updated at different micro-batches are no big
     # batch's: a `MultiOptimizer` says so, naming each optimizer's window.
     variables = [keras.Variable(ops.ones((2,))), keras.Variable(ops.ones(()))]
-    first = SGDAccumulate(0.1, accum_iters=K)
+    first, second_optimizer = SGDAccumulate(0.1, accum_iters=K), second()
     multi = keras.optimizers.MultiOptimizer(
         lambda v: first if len(v.shape) else second_optimizer
     )
-    second_optimizer = second()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -235,6 +234,32 @@ def test_a_multi_optimizer_warns_once_of_optimizers_updating_apart(
     assert len(apart) == 1, apart  # once per MultiOptimizer
     assert f"'{first.name}' (SGDAccumulate): accum_iters=4" in apart[0]
     assert f"'{second_optimizer.name}' " in apart[0] and named in apart[0]
+
+
+@pytest.mark.skipif(
+    not hasattr(keras.optimizers, "MultiOptimizer"),
+    reason="this Keras has no MultiOptimizer",
+)
+def test_a_lone_window_sized_by_the_noise_scale_is_named_beside_a_plain_one():
+    # One accumulating optimizer has no other to close apart from by its
+    # noise scale: the warning names its window and the plain one's.
+    variables = [keras.Variable(ops.ones((2,))), keras.Variable(ops.ones(()))]
+    sized = AdamAccumulate(
+        accum_iters=by_noise_scale(micro_batch_size=B, floor=2, ceiling=K),
+        measure_noise_scale=True,
+    )
+    plain = keras.optimizers.SGD(0.1)
+    multi = keras.optimizers.MultiOptimizer(
+        lambda v: sized if len(v.shape) else plain
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            multi.apply([ops.ones((2,)), ops.ones(())], variables)
+    messages = [str(w.message) for w in caught if "MultiOptimizer" in str(w)]
+    assert len(messages) == 1, messages
+    assert "accum_iters=NoiseScaleAccumIters(...)" in messages[0]
+    assert f"'{plain.name}' (SGD): every micro-batch" in messages[0]
 
 
 @pytest.mark.skipif(

@@ -625,10 +625,10 @@ def test_loss_scale_build_adds_its_step_counter_then_its_scale():
     )
     before = len(wrapper._variables)
     wrapper.build(variables)
-    added = wrapper._variables[before:]
-    assert [v is wrapper.step_counter for v in added] == [True, False]
-    assert added[1] is wrapper.dynamic_scale
-    assert float(keras.ops.convert_to_numpy(added[1])) == 8.0
+    step_counter, dynamic_scale = wrapper._variables[before:]
+    assert step_counter is wrapper.step_counter
+    assert dynamic_scale is wrapper.dynamic_scale
+    assert float(keras.ops.convert_to_numpy(dynamic_scale)) == 8.0
     own = wrapper._variables
     assert [id(v) for v in wrapper.variables] == [
         id(v) for v in [*own, *wrapper.inner_optimizer.variables]
