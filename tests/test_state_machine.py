@@ -110,7 +110,7 @@ class AccumulationMachine(RuleBasedStateMachine):
         self.multi = None
         self.reference = [keras.Variable(v) for v in initial]
         self.parent = parent_cls(**options)
-        if multi and not loss_scaled:
+        if multi:
             self.second = cls(accum_iters=accum_iters, **self.options)
             self.multi = _multi(self.optimizer, self.second)
             self.parent = _multi(self.parent, parent_cls(**options))
@@ -132,7 +132,7 @@ class AccumulationMachine(RuleBasedStateMachine):
         # finite steps the scale doubles (Keras' dynamic loss scaling).
         self.wrapper = None
         if loss_scaled:
-            self.wrapper = self._wrap(self.optimizer)
+            self.wrapper = self._wrap(self._applying())
             self.wrapper.build(self.variables)
         self.scale, self.scale_steps = INITIAL_SCALE, 0
 
@@ -283,14 +283,7 @@ class AccumulationMachine(RuleBasedStateMachine):
         if all(g is None for g in grads):
             return
         tensor = keras.ops.convert_to_tensor
-        if self.multi:
-            # Its `apply` takes every variable and no weight or loss.
-            self.multi.apply(
-                [None if g is None else tensor(g) for g in grads],
-                self.variables,
-            )
-            weight = loss = None
-        elif self.wrapper is not None:
+        if self.wrapper is not None:
             # Gradients of the scaled loss (powers of 2: unscaled exactly);
             # `LossScaleOptimizer.apply` takes no `weight` (or `loss`).
             weight = loss = None
@@ -301,6 +294,13 @@ class AccumulationMachine(RuleBasedStateMachine):
                 self.scale, self.scale_steps = self.scale * 2, 0
             else:
                 self.scale_steps += 1
+        elif self.multi:
+            # Its `apply` takes every variable and no weight or loss.
+            self.multi.apply(
+                [None if g is None else tensor(g) for g in grads],
+                self.variables,
+            )
+            weight = loss = None
         elif subset:
             kept = [i for i, g in enumerate(grads) if g is not None]
             self.optimizer.apply(
@@ -507,8 +507,9 @@ class AccumulationMachine(RuleBasedStateMachine):
             for _ in stores
         ]
         multi = _multi(*restored) if self.multi else None
-        wrapper = None if self.wrapper is None else self._wrap(restored[0])
-        built = wrapper or multi or restored[0]
+        inner = multi or restored[0]
+        wrapper = None if self.wrapper is None else self._wrap(inner)
+        built = wrapper or inner
 
         def load():
             if wrapper is not None:
@@ -516,7 +517,20 @@ class AccumulationMachine(RuleBasedStateMachine):
             for optimizer, store in zip(restored, stores):
                 optimizer.load_own_variables(store)
 
-        if before_build:  # weights-only resume: load, then build
+        if before_build and wrapper is not None and multi is not None:
+            # Keras' MultiOptimizer, whose map is a function, knows its
+            # optimizers only once built: the loss scale loaded before
+            # then skips its state, warning, and starts again.
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                load()
+            assert any(
+                f"loading for optimizer '{wrapper.name}'" in str(w.message)
+                for w in caught
+            ), [str(w.message) for w in caught]
+            built.build(self.variables)
+            self.scale, self.scale_steps = INITIAL_SCALE, 0
+        elif before_build:  # weights-only resume: load, then build
             load()
             built.build(self.variables)
         else:
