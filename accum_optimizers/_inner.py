@@ -100,16 +100,52 @@ def shown_window(window):
 
 def accumulating_of_model(model, caller):
     """The accumulating optimizers of `model` (see
-    `accumulating_optimizers`); raises, naming `caller`, if there is none."""
-    optimizers = accumulating_optimizers(model.optimizer)
+    `accumulating_optimizers_of_model`); raises, naming `caller`, if there
+    is none."""
+    optimizers = accumulating_optimizers_of_model(model)
     if not optimizers:
         raise ValueError(
             f"{caller} needs an accumulating optimizer (an `accum_optimizers` "
             "class or `accumulating(cls)`, possibly inside a "
-            "`LossScaleOptimizer` or `MultiOptimizer`). Received: "
+            "`LossScaleOptimizer` or `MultiOptimizer`)."
+            f"{unknown_optimizers_hint(model.optimizer)} Received: "
             f"optimizer={model.optimizer!r}"
         )
     return optimizers
+
+
+def accumulating_optimizers_of_model(model):
+    """`accumulating_optimizers(model.optimizer)`, the optimizer built
+    first, on the built model's trainable variables, where it holds a
+    `MultiOptimizer` mapped by a function: that one names its optimizers
+    only once built, which TensorFlow does in the first traced step, after
+    the callbacks' `on_train_begin`."""
+    optimizer = model.optimizer
+    if _names_its_optimizers_when_built(optimizer) and model.built:
+        optimizer.build(model.trainable_variables)
+    return accumulating_optimizers(optimizer)
+
+
+def unknown_optimizers_hint(optimizer):
+    """A sentence for an error that found no accumulating optimizer in
+    `optimizer`, where a `MultiOptimizer` in it has not named its
+    optimizers yet; else `""`."""
+    if not _names_its_optimizers_when_built(optimizer):
+        return ""
+    return (
+        " A `MultiOptimizer` mapped by a function names its optimizers only "
+        "once built: give it a `keras.optimizers.OptimizerMap`."
+    )
+
+
+def _names_its_optimizers_when_built(optimizer):
+    while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    return (
+        _keras_private.is_multi_optimizer(optimizer)
+        and not optimizer.built
+        and not optimizer.optimizers
+    )
 
 
 def refuse_skips_with_accum_batch_norm(model, optimizers):

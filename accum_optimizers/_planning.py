@@ -15,6 +15,7 @@ from accum_optimizers._backend import SUPPORTS_MEMORY_ANALYSIS
 from accum_optimizers._backend import compiled_peak
 from accum_optimizers._inner import accumulating_optimizers
 from accum_optimizers._inner import refuse_accum_batch_norm_in_planning
+from accum_optimizers._inner import unknown_optimizers_hint
 from accum_optimizers._memory import format_bytes
 from accum_optimizers._memory import memory_limit_bytes
 from accum_optimizers._memory import probe
@@ -252,7 +253,8 @@ def _prepared_optimizers(model):
         raise ValueError(
             "fit_to_memory needs an accumulating optimizer (an "
             "`accum_optimizers` class or `accumulating(cls)`, possibly in a "
-            "`LossScaleOptimizer`): it sets `accum_iters`. Received: "
+            "`LossScaleOptimizer`): it sets `accum_iters`."
+            f"{unknown_optimizers_hint(optimizer)} Received: "
             f"optimizer={optimizer!r}"
         )
     for inner_optimizer in optimizers:

@@ -112,6 +112,9 @@ class Run:
     # A `MultiOptimizer`: the model's last layer gets the second optimizer
     # (`MULTI_SECOND`), the other layers the drawn one; both accumulate.
     multi: bool = False
+    # How it maps them: "map" (an `OptimizerMap`) or "function" (which
+    # names its optimizers only once built).
+    multi_map: str = "map"
 
     @property
     def micro_batches(self):
@@ -240,7 +243,7 @@ def _compile_ours(run, model):
             **second_options,
             **measuring,
         )
-        optimizer = _multi_optimizer(model, optimizer, second)
+        optimizer = _multi_optimizer(model, optimizer, second, run.multi_map)
     if run.loss_scaled:
         optimizer = keras.optimizers.LossScaleOptimizer(
             optimizer, initial_scale=LOSS_SCALE
@@ -258,13 +261,16 @@ def _compile_ours(run, model):
 MULTI_SECOND = "sgd"
 
 
-def _multi_optimizer(model, first, second):
+def _multi_optimizer(model, first, second, mapped_by="map"):
     """A `MultiOptimizer`: `second` for the model's last layer, `first` for
-    the others."""
-    return keras.optimizers.MultiOptimizer(
-        keras.optimizers.OptimizerMap(
-            first, {f".*/{model.layers[-1].name}/.*": second}
+    the others, named by an `OptimizerMap` or by a function."""
+    last = f"/{model.layers[-1].name}/"
+    if mapped_by == "function":
+        return keras.optimizers.MultiOptimizer(
+            lambda v: second if last in v.path else first
         )
+    return keras.optimizers.MultiOptimizer(
+        keras.optimizers.OptimizerMap(first, {f".*{last}.*": second})
     )
 
 
@@ -396,6 +402,9 @@ def _resumed(run, model, tmp_path):
     path = os.path.join(tmp_path, "run.weights.h5")
     model.save_weights(path)
     fresh = _compile_ours(run, make_model(run))
+    if run.multi_map == "function":
+        # It names its optimizers only once built (docs/saving.md).
+        fresh.optimizer.build(fresh.trainable_variables)
     fresh.load_weights(path)
     return fresh
 

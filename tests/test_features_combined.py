@@ -52,13 +52,20 @@ def _fit(model, x, y, batch_size, epochs=2, callbacks=(), **kwargs):
 # 2. MultiOptimizer -----------------------------------------------------------
 
 
-def _multi(default, other):
+def _multi(default, other, mapped_by="map"):
+    """A `MultiOptimizer` of `other` for the biases, `default` for the
+    rest, named by an `OptimizerMap`, or by a function (which names its
+    optimizers only once built)."""
+    if mapped_by == "function":
+        return keras.optimizers.MultiOptimizer(
+            lambda v: other if v.path.endswith("/bias") else default
+        )
     return keras.optimizers.MultiOptimizer(
         keras.optimizers.OptimizerMap(default, {".*/bias": other})
     )
 
 
-def _multi_pair(k=3, b=4, n=11, callbacks=(), weigh=True):
+def _multi_pair(k=3, b=4, n=11, callbacks=(), weigh=True, mapped_by="map"):
     """Windows of 4, 4, 3 samples: ours under a MultiOptimizer, and the
     parents' MultiOptimizer on the big batch."""
     x, y = regression_data(5, n)
@@ -75,6 +82,7 @@ def _multi_pair(k=3, b=4, n=11, callbacks=(), weigh=True):
         optimizer=_multi(
             SGDAccumulate(0.1, momentum=0.9, accum_iters=k),
             AdamAccumulate(0.05, accum_iters=k),
+            mapped_by,
         ),
         loss="mse",
     )
@@ -99,8 +107,16 @@ def test_multi_optimizer_unweighted_short_window_differs():
     assert gap > 1e-4
 
 
-def test_multi_optimizer_iterations_count_updates_and_logger_reads_them():
-    ours, parent, history = _multi_pair(callbacks=[AccumulationLogger()])
+@pytest.mark.parametrize("mapped_by", ["map", "function"])
+def test_multi_optimizer_iterations_count_updates_and_logger_reads_them(
+    mapped_by,
+):
+    # A function names the optimizers only once built: TensorFlow builds
+    # in the first traced step, after the callbacks' `on_train_begin`.
+    ours, parent, history = _multi_pair(
+        callbacks=[AccumulationLogger()], mapped_by=mapped_by
+    )
+    _assert_close(ours.get_weights(), parent.get_weights())
     # Two epochs of one window of 4, 4, 3 samples each.
     for inner in ours.optimizer.optimizers:
         assert int(inner.iterations) == 2

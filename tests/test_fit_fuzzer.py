@@ -112,6 +112,8 @@ def runs(draw):
     # windows sized by it or an AdaScale rate would differ between them.
     if hasattr(keras.optimizers, "MultiOptimizer"):
         run.multi = draw(st.booleans())
+        if run.multi:
+            run.multi_map = draw(st.sampled_from(["map", "function"]))
     accum = [
         st.integers(1, 4),
         st.just({0: 2, 2: 3}),
