@@ -169,7 +169,44 @@ def runs(draw):
 # Holes found and not fixed yet: (the runs it spoils, the checks left out
 # on them, what is wrong, a minimal run it spoils), each run pinned by a
 # strict xfail below; whoever fixes one removes its entry.
-KNOWN_HOLES = []
+KNOWN_HOLES = [
+    (
+        lambda run: (
+            BACKEND == "tensorflow"
+            and run.multi
+            and run.multi_map == "function"
+            and run.run_eagerly
+        ),
+        {"all"},
+        "TensorFlow eagerly builds a MultiOptimizer mapped by a function in "
+        "the first step's apply, after `scale_loss` handed that "
+        "micro-batch's loss and weight to the optimizers it did not name "
+        "yet: its window's loss is NaN and its weight is lost",
+        Run(
+            optimizer="adam",
+            accum={0: 2, 2: 3},
+            micro_batch=2,
+            samples=6,
+            epochs=1,
+            weighted=True,
+            sample_weight=False,
+            reduction="sum_over_batch_size",
+            flush=False,
+            skip=False,
+            policy="float32",
+            steps_per_execution=1,
+            logger=False,
+            resume="weights",
+            resume_at=1,
+            jit_compile=True,
+            run_eagerly=True,
+            noise=False,
+            model="dense",
+            multi=True,
+            multi_map="function",
+        ),
+    ),
+]
 
 
 def _raises_accum_iters_built_without_window(run):
