@@ -173,6 +173,7 @@ KNOWN_HOLES = [
     (
         lambda run: (
             BACKEND == "tensorflow"
+            and hasattr(keras.optimizers, "MultiOptimizer")
             and run.multi
             and run.multi_map == "function"
             and run.run_eagerly
