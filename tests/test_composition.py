@@ -223,11 +223,8 @@ def test_a_multi_optimizer_warns_once_of_optimizers_updating_apart(
     multi = keras.optimizers.MultiOptimizer(
         lambda v: first if len(v.shape) else second_optimizer
     )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(3):
-            multi.apply([ops.ones((2,)), ops.ones(())], variables)
-    apart = [str(w.message) for w in caught if "update at" in str(w.message)]
+    caught = _warnings_of_three_calls(multi, variables)
+    apart = [message for message in caught if "update at" in message]
     if named is None:
         assert not apart, apart
         return
@@ -252,11 +249,8 @@ def test_a_lone_window_sized_by_the_noise_scale_is_named_beside_a_plain_one():
     multi = keras.optimizers.MultiOptimizer(
         lambda v: sized if len(v.shape) else plain
     )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(3):
-            multi.apply([ops.ones((2,)), ops.ones(())], variables)
-    messages = [str(w.message) for w in caught if "MultiOptimizer" in str(w)]
+    caught = _warnings_of_three_calls(multi, variables)
+    messages = [message for message in caught if "MultiOptimizer" in message]
     assert len(messages) == 1, messages
     assert "accum_iters=NoiseScaleAccumIters(...)" in messages[0]
     assert f"'{plain.name}' (SGD): every micro-batch" in messages[0]
@@ -320,3 +314,13 @@ def test_the_factory_refuses_a_second_class_under_a_registered_name():
 
     with pytest.raises(ValueError, match="DampedMomentumAccumulate"):
         accumulating(DampedMomentum)
+
+
+def _warnings_of_three_calls(multi, variables):
+    """The messages of the warnings three `apply` calls of `multi` give,
+    a gradient of ones for each of `variables` (a vector and a scalar)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            multi.apply([ops.ones((2,)), ops.ones(())], variables)
+    return [str(w.message) for w in caught]
