@@ -121,7 +121,7 @@ def accumulating_optimizers_of_model(model):
     only once built, which TensorFlow does in the first traced step, after
     the callbacks' `on_train_begin`."""
     optimizer = model.optimizer
-    if _names_its_optimizers_when_built(optimizer) and model.built:
+    if unnamed_multi_optimizer(optimizer) is not None and model.built:
         optimizer.build(model.trainable_variables)
     return accumulating_optimizers(optimizer)
 
@@ -130,7 +130,7 @@ def unknown_optimizers_hint(optimizer):
     """A sentence for an error that found no accumulating optimizer in
     `optimizer`, where a `MultiOptimizer` in it has not named its
     optimizers yet; else `""`."""
-    if not _names_its_optimizers_when_built(optimizer):
+    if unnamed_multi_optimizer(optimizer) is None:
         return ""
     return (
         " A `MultiOptimizer` mapped by a function names its optimizers only "
@@ -138,14 +138,19 @@ def unknown_optimizers_hint(optimizer):
     )
 
 
-def _names_its_optimizers_when_built(optimizer):
+def unnamed_multi_optimizer(optimizer):
+    """The `MultiOptimizer` `optimizer` is (or a `LossScaleOptimizer`
+    wraps) where it has not named its optimizers yet (mapped by a function,
+    it names them once built), else `None`."""
     while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer
-    return (
+    if (
         _keras_private.is_multi_optimizer(optimizer)
         and not optimizer.built
         and not optimizer.optimizers
-    )
+    ):
+        return optimizer
+    return None
 
 
 def refuse_skips_with_accum_batch_norm(model, optimizers):

@@ -51,6 +51,7 @@ from accum_optimizers._backend import outside_compiled_code
 from accum_optimizers._inner import accumulating_optimizers
 from accum_optimizers._inner import count_updates_in_multi_optimizer
 from accum_optimizers._inner import shown_window
+from accum_optimizers._inner import unnamed_multi_optimizer
 from accum_optimizers._inner import window_of
 from accum_optimizers._noise_schedule import keyed_on_noise_scale
 from accum_optimizers._validation import concrete_value
@@ -201,8 +202,7 @@ def _noting_scale_loss(scale_loss):
         # `fit` hands the loss to the optimizer it compiled with: the
         # inner optimizers' `window_loss` needs it too (Keras' own does
         # not call the inner optimizer's `scale_loss`).
-        for optimizer in accumulating_optimizers(self.inner_optimizer):
-            note_loss(optimizer, loss)
+        _note_loss_through(self.inner_optimizer, loss)
         saved = _saved_scale(self)
         if saved is not None:
             # Unbuilt, Keras scales by `initial_scale`; but `apply` builds
@@ -211,6 +211,20 @@ def _noting_scale_loss(scale_loss):
         return scale_loss(self, loss)
 
     return noting_scale_loss
+
+
+def _note_loss_through(optimizer, loss):
+    """Notes `loss` for the accumulating optimizers `optimizer` applies
+    through (`note_loss`). A `MultiOptimizer` that has not named them yet
+    (`unnamed_multi_optimizer`) holds it until its `apply` builds it."""
+    multi = unnamed_multi_optimizer(optimizer)
+    if multi is None:
+        for inner in accumulating_optimizers(optimizer):
+            note_loss(inner, loss)
+        return
+    kept = _backend.kept_loss(loss)
+    if kept is not None:
+        _inputs.put_loss(multi, kept)
 
 
 def _saved_scale(optimizer):
@@ -244,13 +258,20 @@ def _install_multi_optimizer():
         ]
 
     def noting_scale_loss(self, loss):
-        for optimizer in accumulating(self):
-            note_loss(optimizer, loss)
+        _note_loss_through(self, loss)
         return scale_loss(self, loss)
 
     def agreeing_apply(self, grads, trainable_variables=None):
-        _check_inner_calls(self, grads, trainable_variables)
+        # The loss `scale_loss` held while the optimizers were unnamed.
+        held_loss = _inputs.take(self).loss
+        unnamed = unnamed_multi_optimizer(self) is not None
+        if unnamed and len(grads) and trainable_variables is not None:
+            self.build(trainable_variables)  # as Keras' `apply` does first
         inner = accumulating(self)
+        if held_loss is not None:
+            for optimizer in inner:
+                _inputs.put_loss(optimizer, held_loss)
+        _check_inner_calls(self, grads, trainable_variables)
         _warn_of_windows_apart(self, inner)
         skipping = [o for o in inner if o.skip_nonfinite]
         if skipping and len(grads):

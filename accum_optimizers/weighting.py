@@ -26,6 +26,7 @@ from accum_optimizers import _keras_private
 from accum_optimizers._backend import COMPILER_RETRACES_EACH_HAND_OVER
 from accum_optimizers._backend import asserted_normalizer
 from accum_optimizers._inner import accumulating_optimizers
+from accum_optimizers._inner import accumulating_optimizers_of_model
 from accum_optimizers._validation import concrete_value
 from accum_optimizers._validation import validate_weighable
 
@@ -79,7 +80,9 @@ def weigh_micro_batches(model):
         kwargs = {"training": training} if takes_training else {}
         optimizers = [
             optimizer
-            for optimizer in accumulating_optimizers(model.optimizer)
+            # A `MultiOptimizer` mapped by a function is built here, so
+            # that it names the optimizers to hand the weight to.
+            for optimizer in accumulating_optimizers_of_model(model)
             if optimizer._has_window
         ]
         if not training or not optimizers:

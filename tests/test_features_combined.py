@@ -65,9 +65,12 @@ def _multi(default, other, mapped_by="map"):
     )
 
 
-def _multi_pair(k=3, b=4, n=11, callbacks=(), weigh=True, mapped_by="map"):
-    """Windows of 4, 4, 3 samples: ours under a MultiOptimizer, and the
-    parents' MultiOptimizer on the big batch."""
+def _multi_pair(
+    k=3, b=4, n=11, callbacks=(), weigh=True, mapped_by="map", eagerly=False
+):
+    """Windows of 4, 4, 3 samples: ours under a MultiOptimizer (compiled
+    with `run_eagerly=eagerly`), and the parents' MultiOptimizer on the
+    big batch."""
     x, y = regression_data(5, n)
     parent = small_model(5)
     parent.compile(
@@ -85,21 +88,60 @@ def _multi_pair(k=3, b=4, n=11, callbacks=(), weigh=True, mapped_by="map"):
             mapped_by,
         ),
         loss="mse",
+        run_eagerly=eagerly,
     )
     if weigh:
         weigh_micro_batches(ours)
-    history = _fit(ours, x, y, b, callbacks=[FlushAccumulation(), *callbacks])
+    history = _fit(ours, x, y, b, callbacks=callbacks)
     return ours, parent, history
 
 
 def test_multi_optimizer_weighs_uneven_micro_batches_like_the_big_batch():
-    ours, parent, _ = _multi_pair()
+    ours, parent, _ = _multi_pair(callbacks=[FlushAccumulation()])
     _assert_close(ours.get_weights(), parent.get_weights())
+
+
+class _WindowLosses(keras.callbacks.Callback):
+    """Each epoch's last window loss of a `MultiOptimizer`'s optimizers
+    (read without building it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        optimizers = self.model.optimizer.optimizers
+        self.losses.append([float(o.window_loss) for o in optimizers])
+
+
+@pytest.mark.parametrize("weigh, n, seen", [(True, 11, 22), (False, 12, 6)])
+def test_multi_optimizer_mapped_by_a_function_takes_the_first_step_eagerly(
+    weigh, n, seen
+):
+    # Unbuilt, it names its optimizers in the first step's `apply`, after
+    # that micro-batch's weight and loss were handed over (no callback
+    # builds it before here).
+    window_losses = _WindowLosses()
+    ours, parent, history = _multi_pair(
+        n=n,
+        weigh=weigh,
+        mapped_by="function",
+        eagerly=True,
+        callbacks=[window_losses],
+    )
+    _assert_close(ours.get_weights(), parent.get_weights())
+    optimizers = ours.optimizer.optimizers
+    # Samples when weighted, else micro-batches, over two epochs.
+    assert [float(o.samples_seen) for o in optimizers] == [seen] * 2
+    # One window an epoch: its loss is the epoch's, as Keras' tracker
+    # averages the micro-batches' over their samples.
+    expected = [[loss] * 2 for loss in history.history["loss"]]
+    np.testing.assert_allclose(window_losses.losses, expected, rtol=1e-6)
 
 
 def test_multi_optimizer_unweighted_short_window_differs():
     # Not vacuous: without the weights the short micro-batch counts fully.
-    ours, parent, _ = _multi_pair(weigh=False)
+    ours, parent, _ = _multi_pair(weigh=False, callbacks=[FlushAccumulation()])
     gap = max(
         np.abs(o - p).max()
         for o, p in zip(ours.get_weights(), parent.get_weights())
@@ -114,7 +156,8 @@ def test_multi_optimizer_iterations_count_updates_and_logger_reads_them(
     # A function names the optimizers only once built: TensorFlow builds
     # in the first traced step, after the callbacks' `on_train_begin`.
     ours, parent, history = _multi_pair(
-        callbacks=[AccumulationLogger()], mapped_by=mapped_by
+        callbacks=[FlushAccumulation(), AccumulationLogger()],
+        mapped_by=mapped_by,
     )
     _assert_close(ours.get_weights(), parent.get_weights())
     # Two epochs of one window of 4, 4, 3 samples each.

@@ -169,32 +169,7 @@ def runs(draw):
 # Holes found and not fixed yet: (the runs it spoils, the checks left out
 # on them, what is wrong, a minimal run it spoils), each run pinned by a
 # strict xfail below; whoever fixes one removes its entry.
-KNOWN_HOLES = [
-    (
-        lambda run: (
-            BACKEND == "tensorflow"
-            and hasattr(keras.optimizers, "MultiOptimizer")
-            and run.multi
-            and run.multi_map == "function"
-            and run.run_eagerly
-        ),
-        {"all"},
-        "TensorFlow eagerly builds a MultiOptimizer mapped by a function in "
-        "the first step's apply, after `scale_loss` handed that "
-        "micro-batch's loss and weight to the optimizers it did not name "
-        "yet: its window's loss is NaN and its weight is lost",
-        Run(
-            accum={0: 2, 2: 3},
-            micro_batch=2,
-            samples=6,
-            weighted=True,
-            resume="weights",
-            run_eagerly=True,
-            multi=True,
-            multi_map="function",
-        ),
-    ),
-]
+KNOWN_HOLES = []
 
 
 def _raises_accum_iters_built_without_window(run):
