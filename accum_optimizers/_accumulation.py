@@ -86,6 +86,7 @@ class GradientAccumulation:
         self.accum_iters = accumulation["accum_iters"]
         self.skip_nonfinite = accumulation["skip_nonfinite"]
         self.accumulator_dtype = accumulation["accumulator_dtype"]
+        self.jit_compile = accumulation["jit_compile"]
         self.decay = accumulation["decay"]
         adascale.check(self)
         self._window_backend = _backend.WindowBackend(self)

@@ -61,6 +61,14 @@ def _check_measure_noise_scale(value):
     return bool(value)
 
 
+def _check_jit_compile(value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(
+            f"`jit_compile` must be a bool. Received: jit_compile={value!r}"
+        )
+    return bool(value)
+
+
 def _check_noise_scale_momentum(value):
     if not is_real_number(value) or not 0 <= value < 1:
         raise ValueError(
@@ -129,6 +137,20 @@ ARGUMENTS = (
         `"float32"` for `float16`/`bfloat16` variables, the variable's own
         dtype otherwise. float16 sums refuse weighted windows.""",
         validate_accumulator_dtype,
+    ),
+    Argument(
+        "jit_compile",
+        True,
+        """Boolean. On TensorFlow without XLA (`model.compile(
+        jit_compile=False)`, Keras' default on a CPU), compile the window's
+        close (the mean of its sums and {parent}'s update, once per window)
+        with XLA, as `tf.keras` optimizers compiled their update: a few
+        fused loops instead of a kernel and a temporary per element-wise
+        operation. A close XLA cannot compile (a Python callback in a
+        learning-rate schedule, a device without XLA) runs as it is. No
+        effect where the step is compiled already (XLA, JAX) or eager
+        (torch, `run_eagerly=True`). Defaults to `True`.""",
+        _check_jit_compile,
     ),
     Argument(
         "lr",

@@ -99,6 +99,9 @@ class Run:
     accum_after: Optional[int] = None  # `accum_iters` set at the split
     jit_compile: object = "auto"
     run_eagerly: bool = False
+    # The optimizers' `jit_compile`: their close compiled by XLA in a
+    # TensorFlow graph.
+    compile_close: bool = True
     # `measure_noise_scale` and `noise_scale_momentum`.
     noise: bool = False
     noise_momentum: float = 0.99
@@ -231,6 +234,7 @@ def _compile_ours(run, model):
     optimizer = cls(
         accum_iters=accum_iters_argument(run),
         skip_nonfinite=run.skip,
+        jit_compile=run.compile_close,
         **options,
     )
     if run.multi:
@@ -240,6 +244,7 @@ def _compile_ours(run, model):
         second = second_cls(
             accum_iters=accum_iters_argument(run),
             skip_nonfinite=run.skip,
+            jit_compile=run.compile_close,
             **second_options,
             **measuring,
         )

@@ -163,6 +163,8 @@ def runs(draw):
     else:
         run.jit_compile = draw(st.sampled_from([True, False, "auto"]))
         run.run_eagerly = draw(st.sampled_from([False, False, False, True]))
+        if BACKEND == "tensorflow":
+            run.compile_close = draw(st.booleans())
     return run
 
 

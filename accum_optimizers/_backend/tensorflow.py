@@ -7,7 +7,8 @@
   then `tf.cond(closes, close)`. TensorFlow runs a function's side effects
   once all its inputs exist: a branch that took every gradient would hold
   them all until the backward pass ended, where the parent frees each as
-  it applies it.
+  it applies it. In a plain graph the close is one XLA computation
+  (`jit_compile`, `_compiled`).
 - Under XLA: add on every micro-step (the select fuses into the add),
   then `tf.cond(closes, close)`. TensorFlow's XLA bridge carries every
   variable a `tf.while_loop` touches through the loop on every call, taken
@@ -29,6 +30,7 @@ fresh buffer).
 
 import contextlib
 import functools
+import platform
 
 import tensorflow as tf
 
@@ -130,6 +132,8 @@ class WindowBackend(base.WindowBackend):
         with _after_count(window):
             if how == MERGE_CALL:
                 return _run_in_each_replica_if(step.closes, close)
+            if how == GRAPH and self.optimizer.jit_compile:
+                close = _compiled(close)
             _branch(step.closes, close, lambda: None)
 
     def run_if(self, pred, fn):
@@ -325,6 +329,37 @@ def _branch(pred, true_fn, false_fn):
         true_fn()
     else:
         false_fn()
+
+
+def _compiled(close):
+    """`close` as one XLA computation, where XLA compiles it; else `close`.
+
+    In a plain graph each element-wise op of the parent's update is a
+    kernel of its own with a temporary the size of the variable (Adam:
+    about a dozen per variable); XLA fuses the close into a few loops, as
+    the optimizers of `tf.keras` before Keras 3 compiled their update.
+    The computation writes its variables once it has computed them all.
+    A close XLA cannot compile (a Python callback in a schedule or a
+    constraint, a device without XLA) runs as it is.
+    """
+    if _xla_unsupported_here():
+        return close
+    compiled = tf.function(close, jit_compile=True, autograph=False)
+    try:
+        with tf.init_scope():
+            compiled.experimental_get_compiler_ir()(stage="hlo")
+    except Exception:  # noqa: BLE001 - the plain close raises its own
+        return close
+    return compiled
+
+
+def _xla_unsupported_here():
+    """TensorFlow on a Mac's GPU has no XLA (Keras' `model_supports_jit`)."""
+    return (
+        platform.system() == "Darwin"
+        and "arm" in platform.processor().lower()
+        and bool(tf.config.list_physical_devices("GPU"))
+    )
 
 
 def _run_in_each_replica_if(pred, fn):
