@@ -23,7 +23,9 @@
 - `apply` checks every inner optimizer's call (gradients, weight, loss)
   before any inner optimizer writes: one that raised after another had
   closed its window would leave their windows a micro-batch apart;
-- `scale_loss` passes `fit`'s loss on to the inner accumulating optimizers;
+- `scale_loss` passes `fit`'s loss on to the inner accumulating optimizers
+  (one mapped by a function holds it until `apply` builds it and names
+  them; `weigh_micro_batches` builds it before handing the weight over);
 - `apply` checks every gradient for finiteness once and hands the result to
   the inner optimizers with `skip_nonfinite=True`, so that they skip the
   same micro-batches: each checking its own variables only would let one

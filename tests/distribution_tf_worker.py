@@ -169,6 +169,37 @@ def jit_cases(results, x, y):
         results[f"jit/{len(devices)}_devices"] = outcome
 
 
+def placed_case(results, x, y):
+    # No strategy: a model whose layers lie on both devices, in a graph
+    # without XLA. One XLA computation cannot reach both, so the close
+    # runs as TensorFlow's ops.
+    def placed_model(optimizer):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((x.shape[1],))
+        with tf.device(DEVICES[0]):
+            hidden = keras.layers.Dense(6, activation="tanh")(inputs)
+        with tf.device(DEVICES[1]):
+            outputs = keras.layers.Dense(y.shape[1])(hidden)
+        model = keras.Model(inputs, outputs)
+        model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
+        return model
+
+    cls, kwargs = CONFIGS["adam"]
+    ours = fit_in_order(
+        placed_model(cls(accum_iters=K, **kwargs)), x, y, batch_size=B
+    )
+    parent = fit_in_order(
+        placed_model(PARENTS[cls](**kwargs)), x, y, batch_size=K * B
+    )
+    results["placed/adam"] = {
+        "devices": len({v.value.device for v in ours.trainable_variables}),
+        "max_difference": largest_difference(
+            ours.get_weights(), parent.get_weights()
+        ),
+        "iterations": int(ours.optimizer.iterations.numpy()),
+    }
+
+
 def _parent_on(x, y, batch):
     cls, kwargs = CONFIGS["adam"]
     model = small_model(0)
@@ -385,6 +416,7 @@ def main(out_path):
         schedule_case(results, strategy, x, y)
         ema_overwrite_case(results, strategy, x, y)
         jit_cases(results, x, y)
+        placed_case(results, x, y)
     with open(out_path, "w") as out:
         json.dump(results, out, indent=1)
 

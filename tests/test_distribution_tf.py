@@ -100,6 +100,15 @@ def test_jit_compile_on_two_cpu_devices_fails_as_the_parent_does(measured):
     assert result["parent"] == result["ours"] == "InvalidArgumentError"
 
 
+def test_a_model_on_two_devices_trains_like_the_parent(measured):
+    # One XLA computation cannot reach both devices: the close is left to
+    # TensorFlow's ops there. Without replicas a window takes half the
+    # samples of the strategy's: twice the windows.
+    result = measured["placed/adam"]
+    assert result["devices"] == 2
+    _assert_equals_one_device(result, iterations=2 * WINDOWS)
+
+
 def test_ema_overwrite_frequency_fails_as_the_parent_does(measured):
     result = measured["ema_overwrite"]
     assert result["parent"] == result["ours"] == "RuntimeError"

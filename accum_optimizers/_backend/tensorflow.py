@@ -340,7 +340,8 @@ def _compiled(close):
     the optimizers of `tf.keras` before Keras 3 compiled their update.
     The computation writes its variables once it has computed them all.
     A close XLA cannot compile (a Python callback in a schedule or a
-    constraint, a device without XLA) runs as it is.
+    constraint, a device without XLA, variables on several devices) runs
+    as it is.
     """
     if _xla_unsupported_here():
         return close
