@@ -133,7 +133,7 @@ class WindowBackend(base.WindowBackend):
             if how == MERGE_CALL:
                 return _run_in_each_replica_if(step.closes, close)
             if how == GRAPH and self.optimizer.jit_compile:
-                close = _compiled(close)
+                close = _compiled(close, window)
             _branch(step.closes, close, lambda: None)
 
     def run_if(self, pred, fn):
@@ -331,8 +331,9 @@ def _branch(pred, true_fn, false_fn):
         false_fn()
 
 
-def _compiled(close):
-    """`close` as one XLA computation, where XLA compiles it; else `close`.
+def _compiled(close, window):
+    """`close`, `window`'s, as one XLA computation where XLA compiles it;
+    else `close`.
 
     In a plain graph each element-wise op of the parent's update is a
     kernel of its own with a temporary the size of the variable (Adam:
@@ -345,6 +346,11 @@ def _compiled(close):
     """
     if _xla_unsupported_here():
         return close
+    with tf.init_scope():
+        if not window.total_weight.value.is_initialized():
+            # Built in this trace: `tf.function` traces again once its
+            # variables exist, and only that trace runs.
+            return close
     compiled = tf.function(close, jit_compile=True, autograph=False)
     try:
         with tf.init_scope():
