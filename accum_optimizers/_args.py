@@ -43,30 +43,18 @@ class Argument:
     in_config: bool = True
 
 
-def _check_skip_nonfinite(value):
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(
-            "`skip_nonfinite` must be a bool. Received: "
-            f"skip_nonfinite={value!r}"
-        )
-    return bool(value)
+def _bool_check(name):
+    """The check of the bool argument `name`: numpy bools taken, anything
+    else refused, naming it."""
 
+    def check(value):
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(
+                f"`{name}` must be a bool. Received: {name}={value!r}"
+            )
+        return bool(value)
 
-def _check_measure_noise_scale(value):
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(
-            "`measure_noise_scale` must be a bool. Received: "
-            f"measure_noise_scale={value!r}"
-        )
-    return bool(value)
-
-
-def _check_jit_compile(value):
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(
-            f"`jit_compile` must be a bool. Received: jit_compile={value!r}"
-        )
-    return bool(value)
+    return check
 
 
 def _check_noise_scale_momentum(value):
@@ -105,7 +93,7 @@ ARGUMENTS = (
         and `torch_distributed.sync_windows` every replica skips it when
         any replica's gradients are not finite. `skipped_micro_batches`
         counts them. Defaults to `False`.""",
-        _check_skip_nonfinite,
+        _bool_check("skip_nonfinite"),
     ),
     Argument(
         "measure_noise_scale",
@@ -117,7 +105,7 @@ ARGUMENTS = (
         one sum of squares per gradient per micro-step (shared with
         `skip_nonfinite`'s check) and nine scalars. Defaults to
         `False`.""",
-        _check_measure_noise_scale,
+        _bool_check("measure_noise_scale"),
     ),
     Argument(
         "noise_scale_momentum",
@@ -150,7 +138,7 @@ ARGUMENTS = (
         learning-rate schedule, a device without XLA) runs as it is. No
         effect where the step is compiled already (XLA, JAX) or eager
         (torch, `run_eagerly=True`). Defaults to `True`.""",
-        _check_jit_compile,
+        _bool_check("jit_compile"),
     ),
     Argument(
         "lr",
