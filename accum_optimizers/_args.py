@@ -57,6 +57,17 @@ def _bool_check(name):
     return check
 
 
+def _check_jit_compile(value):
+    if isinstance(value, str) and value == "auto":
+        return value
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(
+            '`jit_compile` must be a bool or "auto". Received: '
+            f"jit_compile={value!r}"
+        )
+    return bool(value)
+
+
 def _check_noise_scale_momentum(value):
     if not is_real_number(value) or not 0 <= value < 1:
         raise ValueError(
@@ -128,17 +139,21 @@ ARGUMENTS = (
     ),
     Argument(
         "jit_compile",
-        True,
-        """Boolean. On TensorFlow without XLA (`model.compile(
-        jit_compile=False)`, Keras' default on a CPU), compile the window's
-        close (the mean of its sums and {parent}'s update, once per window)
-        with XLA, as `tf.keras` optimizers compiled their update: a few
-        fused loops instead of a kernel and a temporary per element-wise
-        operation. A close XLA cannot compile (a Python callback in a
-        learning-rate schedule, a device without XLA) runs as it is. No
-        effect where the step is compiled already (XLA, JAX) or eager
-        (torch, `run_eagerly=True`). Defaults to `True`.""",
-        _bool_check("jit_compile"),
+        "auto",
+        """Boolean or `"auto"`. On TensorFlow without XLA
+        (`model.compile(jit_compile=False)`, Keras' default on a CPU),
+        `True` compiles the window's close (the mean of its sums and
+        {parent}'s update, once per window) with XLA, as `tf.keras`
+        optimizers compiled their update: a few fused loops instead of a
+        kernel and a temporary per element-wise operation. `"auto"`
+        compiles it where the variables hold at least 131,072 parameters
+        (`2**17`): below that, on a CPU, launching the computation costs
+        more than the fusion saves. `False` keeps TensorFlow's ops. A
+        close XLA cannot compile (a Python callback in a learning-rate
+        schedule, a device without XLA) runs as it is. No effect where
+        the step is compiled already (XLA, JAX) or eager (torch,
+        `run_eagerly=True`). Defaults to `"auto"`.""",
+        _check_jit_compile,
     ),
     Argument(
         "lr",

@@ -171,8 +171,8 @@ def jit_cases(results, x, y):
 
 def placed_case(results, x, y):
     # No strategy: a model whose layers lie on both devices, in a graph
-    # without XLA. One XLA computation cannot reach both, so the close
-    # runs as TensorFlow's ops.
+    # without XLA, its close asked to compile (`jit_compile=True`). One XLA
+    # computation cannot reach both, so the close runs as TensorFlow's ops.
     def placed_model(optimizer):
         keras.utils.set_random_seed(0)
         inputs = keras.Input((x.shape[1],))
@@ -186,7 +186,10 @@ def placed_case(results, x, y):
 
     cls, kwargs = CONFIGS["adam"]
     ours = fit_in_order(
-        placed_model(cls(accum_iters=K, **kwargs)), x, y, batch_size=B
+        placed_model(cls(accum_iters=K, jit_compile=True, **kwargs)),
+        x,
+        y,
+        batch_size=B,
     )
     parent = fit_in_order(
         placed_model(PARENTS[cls](**kwargs)), x, y, batch_size=K * B

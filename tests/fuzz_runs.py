@@ -99,9 +99,10 @@ class Run:
     accum_after: Optional[int] = None  # `accum_iters` set at the split
     jit_compile: object = "auto"
     run_eagerly: bool = False
-    # The optimizers' `jit_compile`: their close compiled by XLA in a
-    # TensorFlow graph.
-    compile_close: bool = True
+    # The optimizers' `jit_compile` (True, False or "auto"): their close
+    # compiled by XLA in a TensorFlow graph where True (the fuzzer's models
+    # are below "auto"'s size).
+    compile_close: object = "auto"
     # `measure_noise_scale` and `noise_scale_momentum`.
     noise: bool = False
     noise_momentum: float = 0.99

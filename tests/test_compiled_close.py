@@ -1,6 +1,7 @@
 """`jit_compile`: in a TensorFlow graph without XLA, the window's close
-runs as one XLA computation where XLA compiles it, and trains as the parent
-does on the big batch either way."""
+runs as one XLA computation where it is asked for (`True`, or `"auto"` from
+`2**17` parameters) and XLA compiles it, and trains as the parent does on
+the big batch either way."""
 
 import keras
 import numpy as np
@@ -19,16 +20,18 @@ on_tensorflow = pytest.mark.skipif(
 )
 
 
-def test_jit_compile_must_be_a_bool():
-    with pytest.raises(TypeError, match="jit_compile=1"):
-        AdamAccumulate(accum_iters=2, jit_compile=1)
+@pytest.mark.parametrize("value", [1, "always", None])
+def test_jit_compile_must_be_a_bool_or_auto(value):
+    with pytest.raises(TypeError, match=f"jit_compile={value!r}"):
+        AdamAccumulate(accum_iters=2, jit_compile=value)
 
 
-def test_jit_compile_round_trips_its_config():
-    config = AdamAccumulate(accum_iters=2, jit_compile=False).get_config()
-    assert config["jit_compile"] is False
-    assert AdamAccumulate.from_config(config).jit_compile is False
-    assert AdamAccumulate().jit_compile is True
+@pytest.mark.parametrize("value", [False, True, "auto"])
+def test_jit_compile_round_trips_its_config(value):
+    config = AdamAccumulate(accum_iters=2, jit_compile=value).get_config()
+    assert config["jit_compile"] == value
+    assert AdamAccumulate.from_config(config).jit_compile == value
+    assert AdamAccumulate().jit_compile == "auto"
 
 
 def _xla_functions(model, x, y):
@@ -61,8 +64,13 @@ class _PythonDecay(keras.optimizers.schedules.LearningRateSchedule):
 @on_tensorflow
 @pytest.mark.parametrize(
     "jit_compile, schedule, compiled",
-    [(True, False, True), (False, False, False), (True, True, False)],
-    ids=["compiled", "not-asked", "not-compilable"],
+    [
+        (True, False, True),
+        (False, False, False),
+        ("auto", False, False),
+        (True, True, False),
+    ],
+    ids=["compiled", "not-asked", "auto-small", "not-compilable"],
 )
 def test_a_graph_close_is_compiled_where_xla_can_and_matches_the_big_batch(
     jit_compile, schedule, compiled
@@ -86,3 +94,19 @@ def test_a_graph_close_is_compiled_where_xla_can_and_matches_the_big_batch(
     fit_in_order(ours, x, y, batch_size=b, epochs=2)
     assert_same_weights(ours, parent)
     assert bool(_xla_functions(ours, x[:b], y[:b])) == compiled
+
+
+@on_tensorflow
+@pytest.mark.parametrize("units, compiled", [(511, False), (512, True)])
+def test_auto_compiles_the_close_from_two_to_the_seventeen_parameters(
+    units, compiled
+):
+    # A kernel of 256 x 512 holds 2**17 parameters; 256 x 511 one row less.
+    model = keras.Sequential(
+        [keras.Input((256,)), keras.layers.Dense(units, use_bias=False)]
+    )
+    model.compile(AdamAccumulate(accum_iters=2), "mse", jit_compile=False)
+    x = np.ones((2, 256), "float32")
+    y = np.zeros((2, units), "float32")
+    model.fit(x, y, batch_size=1, verbose=0)
+    assert bool(_xla_functions(model, x[:1], y[:1])) == compiled

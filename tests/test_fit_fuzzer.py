@@ -164,7 +164,7 @@ def runs(draw):
         run.jit_compile = draw(st.sampled_from([True, False, "auto"]))
         run.run_eagerly = draw(st.sampled_from([False, False, False, True]))
         if BACKEND == "tensorflow":
-            run.compile_close = draw(st.booleans())
+            run.compile_close = draw(st.sampled_from([True, False, "auto"]))
     return run
 
 

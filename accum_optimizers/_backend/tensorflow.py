@@ -7,8 +7,8 @@
   then `tf.cond(closes, close)`. TensorFlow runs a function's side effects
   once all its inputs exist: a branch that took every gradient would hold
   them all until the backward pass ended, where the parent frees each as
-  it applies it. In a plain graph the close is one XLA computation
-  (`jit_compile`, `_compiled`).
+  it applies it. In a plain graph the close is one XLA computation where
+  the optimizer's `jit_compile` asks for it (`_compiles`, `_compiled`).
 - Under XLA: add on every micro-step (the select fuses into the add),
   then `tf.cond(closes, close)`. TensorFlow's XLA bridge carries every
   variable a `tf.while_loop` touches through the loop on every call, taken
@@ -30,6 +30,7 @@ fresh buffer).
 
 import contextlib
 import functools
+import math
 import platform
 
 import tensorflow as tf
@@ -132,7 +133,7 @@ class WindowBackend(base.WindowBackend):
         with _after_count(window):
             if how == MERGE_CALL:
                 return _run_in_each_replica_if(step.closes, close)
-            if how == GRAPH and self.optimizer.jit_compile:
+            if how == GRAPH and _compiles(self.optimizer.jit_compile, window):
                 close = _compiled(close, window)
             _branch(step.closes, close, lambda: None)
 
@@ -329,6 +330,22 @@ def _branch(pred, true_fn, false_fn):
         true_fn()
     else:
         false_fn()
+
+
+# `jit_compile="auto"` compiles a close from this many parameters: below
+# it, on a CPU, launching the XLA computation costs more than its fusion
+# saves.
+AUTO_COMPILED_PARAMETERS = 2**17
+
+
+def _compiles(jit_compile, window):
+    """Whether `window`'s close is to be compiled: the optimizer's
+    `jit_compile`, where `"auto"` is true for sums of at least
+    `AUTO_COMPILED_PARAMETERS` entries."""
+    if jit_compile != "auto":
+        return jit_compile
+    size = sum(math.prod(total.shape) for total in window.sums)
+    return size >= AUTO_COMPILED_PARAMETERS
 
 
 def _compiled(close, window):
