@@ -6,6 +6,8 @@
     KERAS_BACKEND=torch python -m benchmarks.window_steps [--skip-nonfinite]
                                                      [--noise-scale]
                                                      [--micro-batch 128]
+    KERAS_BACKEND=tensorflow python -m benchmarks.window_steps --compiled-close
+                                                     [--sizes 50000 140000]
 
 Compiles Keras' own `train_step` the way `model.fit` does on the backend
 (`jax.jit` with the state donated; `tf.function`, with `jit_compile` under
@@ -30,6 +32,12 @@ ours and ours with `measure_noise_scale=True` (`ours_k4_noise`), and with
 squares for the check and the measurement), on one model built with the
 measurement. `--micro-batch` sets the samples per micro-batch (default:
 the workload's).
+
+`--compiled-close` (TensorFlow without XLA) times ours with
+`jit_compile=True` and `False` side by side on MLPs of `--sizes`
+parameters (input, two hidden layers of one width, 10 outputs) and prints
+the window's close with each and their ratio, the size rule of
+`jit_compile="auto"` (`accum_optimizers._backend.tensorflow`).
 """
 
 import argparse
@@ -43,6 +51,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
 
 from benchmarks import worker  # noqa: E402
 from benchmarks import workloads  # noqa: E402
@@ -192,6 +201,58 @@ def profile(steps, windows, rounds=10):
     }
 
 
+def mlp_of(parameters, seed=0):
+    """An MLP `w/2 -> w -> w -> 10` of about `parameters` parameters."""
+    # 1.5 w^2 + 12 w + 10 parameters.
+    width = max(2, round(((144 + 6 * (parameters - 10)) ** 0.5 - 12) / 3))
+    keras.utils.set_random_seed(seed)
+    layers = [keras.Input((width // 2,))]
+    layers += [keras.layers.Dense(width, activation="relu") for _ in "ab"]
+    return keras.Sequential(layers + [keras.layers.Dense(10)])
+
+
+def compiled_close_rows(sizes, windows, micro_batch=32):
+    """`[(parameters, ms compiled, ms TensorFlow's ops)]`: the closing call
+    of `AdamAccumulate(accum_iters=4, jit_compile=...)`, both alternating
+    in one process, for an MLP of about each of `sizes` parameters."""
+    from accum_optimizers import AdamAccumulate
+
+    rows = []
+    for size in sizes:
+        steps = {}
+        for jit_compile in (True, False):
+            model = mlp_of(size)
+            model.compile(
+                AdamAccumulate(accum_iters=worker.K, jit_compile=jit_compile),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                jit_compile=False,
+            )
+            rng = np.random.default_rng(0)
+            samples = micro_batch * 2 * worker.K  # two windows: aligned
+            x = rng.normal(size=(samples, model.input_shape[1]))
+            x = x.astype("float32")
+            y = rng.integers(0, 10, size=(samples,)).astype("int32")
+            model.fit(x, y, batch_size=micro_batch, verbose=0)
+            steps[jit_compile], _ = step_runner(
+                model, (x[:micro_batch], y[:micro_batch])
+            )
+        ms = profile(steps, windows)
+        rows.append((model.count_params(), ms[True][-1], ms[False][-1]))
+    return rows
+
+
+def _print_compiled_close(sizes, windows):
+    print("TensorFlow graph, Adam k=4: ms of the call that closes the window")
+    print("| parameters | compiled | TensorFlow's ops | compiled / ops |")
+    print("|---|---|---|---|")
+    for parameters, compiled, plain in compiled_close_rows(sizes, windows):
+        print(
+            f"| {parameters} | {compiled:.2f} | {plain:.2f} "
+            f"| {compiled / plain:.2f} |",
+            flush=True,
+        )
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -210,12 +271,27 @@ def main(argv=None):
         default=None,
         help="samples per micro-batch (default: the workload's)",
     )
+    parser.add_argument("--compiled-close", action="store_true")
+    parser.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=[25_000, 50_000, 100_000, 140_000, 200_000, 400_000],
+        help="parameters of the MLPs of --compiled-close",
+    )
     args = parser.parse_args(argv)
     if args.micro_batch is not None and args.micro_batch < 1:
         parser.error(f"--micro-batch must be >= 1, not {args.micro_batch}")
     backend = keras.backend.backend()
     if args.xla and backend != "tensorflow":
         parser.error(f"--xla needs KERAS_BACKEND=tensorflow, not {backend}")
+    if args.compiled_close:
+        if backend != "tensorflow" or args.xla:
+            parser.error(
+                "--compiled-close needs KERAS_BACKEND=tensorflow without "
+                f"--xla; got {backend}" + (" with --xla" if args.xla else "")
+            )
+        return _print_compiled_close(args.sizes, args.windows)
     how = {
         "jax": "jax.jit",
         "tensorflow": "tf.function" + (", XLA" if args.xla else ""),

@@ -117,6 +117,18 @@ def test_window_profiler_runs_and_prints_its_table(arguments, capsys):
 
 
 @pytest.mark.backends("tensorflow")
+def test_compiled_close_profile_prints_a_row_per_size(capsys):
+    from benchmarks import window_steps
+
+    window_steps.main(["--compiled-close", "--sizes", "300", "--windows", "1"])
+    rows = capsys.readouterr().out.splitlines()[-2:]
+    assert rows[0] == "|---|---|---|---|"
+    parameters, compiled, plain, ratio = rows[1].strip("| ").split(" | ")
+    assert 250 <= int(parameters) <= 350
+    assert float(compiled) > 0 and float(plain) > 0 and float(ratio) > 0
+
+
+@pytest.mark.backends("tensorflow")
 def test_keras_builtin_after_backward_trains_as_keras_builtin():
     # The configuration only orders Keras' built-in's writes after the
     # backward pass: its weights are the built-in's, to the bit.
