@@ -59,7 +59,7 @@ def _bool_check(name):
 
 def _check_jit_compile(value):
     if isinstance(value, str) and value == "auto":
-        return value
+        return "auto"
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(
             '`jit_compile` must be a bool or "auto". Received: '
