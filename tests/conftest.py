@@ -1,3 +1,4 @@
+import gc
 import os
 
 import keras
@@ -29,6 +30,11 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "backends(*names): run only on these Keras backends"
     )
+    # The backend's modules, alive for the whole run, out of the cyclic
+    # collector's reach: each full collection would walk them again, which
+    # grows to seconds a collection as the tests' own objects pile up.
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):
