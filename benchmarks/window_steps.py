@@ -37,7 +37,7 @@ the workload's).
 `jit_compile=True` and `False` side by side on MLPs of `--sizes`
 parameters (input, two hidden layers of one width, 10 outputs) and prints
 the window's close with each and their ratio, the size rule of
-`jit_compile="auto"` (`accum_optimizers._backend.tensorflow`).
+`jit_compile="auto"` (`accum_optimizers._backend.tensorflow_xla`).
 """
 
 import argparse

@@ -8,7 +8,7 @@
   once all its inputs exist: a branch that took every gradient would hold
   them all until the backward pass ended, where the parent frees each as
   it applies it. In a plain graph the close is one XLA computation where
-  the optimizer's `jit_compile` asks for it (`_compiles`, `_compiled`).
+  the optimizer's `jit_compile` asks for it (`tensorflow_xla.py`).
 - Under XLA: add on every micro-step (the select fuses into the add),
   then `tf.cond(closes, close)`. TensorFlow's XLA bridge carries every
   variable a `tf.while_loop` touches through the loop on every call, taken
@@ -30,8 +30,6 @@ fresh buffer).
 
 import contextlib
 import functools
-import math
-import platform
 
 import tensorflow as tf
 
@@ -42,6 +40,7 @@ from accum_optimizers._backend.base import keep_maximum
 from accum_optimizers._backend.base import scaled
 from accum_optimizers._backend.base import targets
 from accum_optimizers._backend.base import write_counters
+from accum_optimizers._backend.tensorflow_xla import compiled_close
 from accum_optimizers._finite import all_finite
 from accum_optimizers._finite import masked
 from accum_optimizers._validation import MIN_WEIGHT
@@ -133,8 +132,9 @@ class WindowBackend(base.WindowBackend):
         with _after_count(window):
             if how == MERGE_CALL:
                 return _run_in_each_replica_if(step.closes, close)
-            if how == GRAPH and _compiles(self.optimizer.jit_compile, window):
-                close = _compiled(close, window)
+            if how == GRAPH:
+                jit_compile = self.optimizer.jit_compile
+                close = compiled_close(close, window, jit_compile)
             _branch(step.closes, close, lambda: None)
 
     def run_if(self, pred, fn):
@@ -330,60 +330,6 @@ def _branch(pred, true_fn, false_fn):
         true_fn()
     else:
         false_fn()
-
-
-# `jit_compile="auto"` compiles a close from this many parameters: below
-# it, on a CPU, launching the XLA computation costs more than its fusion
-# saves.
-AUTO_COMPILED_PARAMETERS = 2**17
-
-
-def _compiles(jit_compile, window):
-    """Whether `window`'s close is to be compiled: the optimizer's
-    `jit_compile`, where `"auto"` is true for sums of at least
-    `AUTO_COMPILED_PARAMETERS` entries."""
-    if jit_compile != "auto":
-        return jit_compile
-    size = sum(math.prod(total.shape) for total in window.sums)
-    return size >= AUTO_COMPILED_PARAMETERS
-
-
-def _compiled(close, window):
-    """`close`, `window`'s, as one XLA computation where XLA compiles it;
-    else `close`.
-
-    In a plain graph each element-wise op of the parent's update is a
-    kernel of its own with a temporary the size of the variable (Adam:
-    about a dozen per variable); XLA fuses the close into a few loops, as
-    the optimizers of `tf.keras` before Keras 3 compiled their update.
-    The computation writes its variables once it has computed them all.
-    A close XLA cannot compile (a Python callback in a schedule or a
-    constraint, a device without XLA, variables on several devices) runs
-    as it is.
-    """
-    if _xla_unsupported_here():
-        return close
-    with tf.init_scope():
-        if not window.total_weight.value.is_initialized():
-            # Built in this trace: `tf.function` traces again once its
-            # variables exist, and only that trace runs.
-            return close
-    compiled = tf.function(close, jit_compile=True, autograph=False)
-    try:
-        with tf.init_scope():
-            compiled.experimental_get_compiler_ir()(stage="hlo")
-    except Exception:  # noqa: BLE001 - the plain close raises its own
-        return close
-    return compiled
-
-
-def _xla_unsupported_here():
-    """TensorFlow on a Mac's GPU has no XLA (Keras' `model_supports_jit`)."""
-    return (
-        platform.system() == "Darwin"
-        and "arm" in platform.processor().lower()
-        and bool(tf.config.list_physical_devices("GPU"))
-    )
 
 
 def _run_in_each_replica_if(pred, fn):

@@ -1,0 +1,69 @@
+"""TensorFlow without XLA: the window's close compiled as one XLA
+computation, where the optimizer's `jit_compile` asks for it."""
+
+import math
+import platform
+
+import tensorflow as tf
+
+
+def compiled_close(close, window, jit_compile):
+    """`close` compiled where `jit_compile` (`True`, `False` or `"auto"`)
+    asks for it and XLA compiles it; else `close`."""
+    if not _compiles(jit_compile, window):
+        return close
+    return _compiled(close, window)
+
+
+# `jit_compile="auto"` compiles a close from this many parameters: below
+# it, on a CPU, launching the XLA computation costs more than its fusion
+# saves.
+AUTO_COMPILED_PARAMETERS = 2**17
+
+
+def _compiles(jit_compile, window):
+    """Whether `window`'s close is to be compiled: the optimizer's
+    `jit_compile`, where `"auto"` is true for sums of at least
+    `AUTO_COMPILED_PARAMETERS` entries."""
+    if jit_compile != "auto":
+        return jit_compile
+    size = sum(math.prod(total.shape) for total in window.sums)
+    return size >= AUTO_COMPILED_PARAMETERS
+
+
+def _compiled(close, window):
+    """`close`, `window`'s, as one XLA computation where XLA compiles it;
+    else `close`.
+
+    In a plain graph each element-wise op of the parent's update is a
+    kernel of its own with a temporary the size of the variable (Adam:
+    about a dozen per variable); XLA fuses the close into a few loops, as
+    the optimizers of `tf.keras` before Keras 3 compiled their update.
+    The computation writes its variables once it has computed them all.
+    A close XLA cannot compile (a Python callback in a schedule or a
+    constraint, a device without XLA, variables on several devices) runs
+    as it is.
+    """
+    if _xla_unsupported_here():
+        return close
+    with tf.init_scope():
+        if not window.total_weight.value.is_initialized():
+            # Built in this trace: `tf.function` traces again once its
+            # variables exist, and only that trace runs.
+            return close
+    compiled = tf.function(close, jit_compile=True, autograph=False)
+    try:
+        with tf.init_scope():
+            compiled.experimental_get_compiler_ir()(stage="hlo")
+    except Exception:  # noqa: BLE001 - the plain close raises its own
+        return close
+    return compiled
+
+
+def _xla_unsupported_here():
+    """TensorFlow on a Mac's GPU has no XLA (Keras' `model_supports_jit`)."""
+    return (
+        platform.system() == "Darwin"
+        and "arm" in platform.processor().lower()
+        and bool(tf.config.list_physical_devices("GPU"))
+    )
