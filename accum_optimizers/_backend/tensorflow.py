@@ -10,9 +10,9 @@
   it applies it. In a plain graph the close is one XLA computation where
   the optimizer's `jit_compile` asks for it (`tensorflow_xla.py`).
 - Under XLA: add on every micro-step (the select fuses into the add),
-  then `tf.cond(closes, close)`. TensorFlow's XLA bridge carries every
-  variable a `tf.while_loop` touches through the loop on every call, taken
-  or not; a conditional costs only its predicate when not taken.
+  then the close in a zero-or-once `tf.while_loop` (`_once_if`): XLA's
+  conditional would copy every variable the close writes through the
+  branch not taken, on every call.
 - Under a strategy that synchronizes replicas with `merge_call` (every
   strategy on CPU, and without XLA on GPU): Keras updates mirrored
   variables in `merge_call`, which cannot run inside a control-flow branch
@@ -107,7 +107,7 @@ class WindowBackend(base.WindowBackend):
             with _after(grads):
                 write_counters(window, step)
             add_into_sums(self.optimizer, window, step, grads)
-            return _branch(step.closes, close, lambda: None)
+            return _once_if(step.closes, close, window.sums)
         with _after(grads):
             # Only the counters wait for every gradient: each sum waits for
             # its own, or each gradient would be held until the last one
@@ -330,6 +330,35 @@ def _branch(pred, true_fn, false_fn):
         true_fn()
     else:
         false_fn()
+
+
+def _once_if(pred, fn, sums):
+    """Under XLA: runs `fn()`, which reads `sums` (the window's sum
+    variables), only when `pred` is true, as a `tf.while_loop` of zero or
+    one trip; a loop that does not run copies nothing. The sums pass
+    through a barrier with the loop's count as the loop begins, so that
+    XLA hoists nothing `fn` computes from them (the window's norm) out of
+    the loop onto every call."""
+    if isinstance(pred, bool):
+        if pred:
+            fn()
+        return
+
+    def body(trips):
+        trips, *values = _keras_private.xla_barrier(
+            trips, *[total.value for total in sums]
+        )
+        for total, value in zip(sums, values):
+            total.assign(value)
+        fn()
+        return (trips + 1,)
+
+    tf.while_loop(
+        lambda trips: trips < tf.cast(pred, "int32"),
+        body,
+        (tf.constant(0),),
+        maximum_iterations=1,
+    )
 
 
 def _run_in_each_replica_if(pred, fn):

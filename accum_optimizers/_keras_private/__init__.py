@@ -343,9 +343,15 @@ def in_xla_context():
 def xla_unfused(tensor):
     """`tensor`, which XLA computes apart from what reads it (its
     `opt-barrier`): not fused into its consumers."""
+    return xla_barrier(tensor)[0]
+
+
+def xla_barrier(*tensors):
+    """`tensors` through one XLA `opt-barrier`: each comes out depending
+    on all of them, and XLA moves no computation across it."""
     from tensorflow.compiler.tf2xla.python import xla
 
-    return xla.optimization_barrier(tensor)[0]
+    return list(xla.optimization_barrier(*tensors))
 
 
 def strategy_needs_merge_call():
