@@ -252,3 +252,27 @@ def test_jax_update_math_runs_inside_the_gate_loop():
     assert len(loops[0].params["cond_jaxpr"].jaxpr.eqns) == 0
     assert len(loops[0].params["body_jaxpr"].jaxpr.eqns) > 20
     assert len(jaxpr.eqns) < 6 * len(grads) + 20
+
+
+@pytest.mark.backends("tensorflow")
+def test_tensorflow_xla_step_copies_no_variable_outside_the_close():
+    """Under XLA the close is a loop of zero or one trip: a conditional
+    would copy every variable the close writes through its branch not
+    taken, on every step; counted in the compiled step's optimized HLO."""
+    import re
+
+    import tensorflow as tf
+
+    model = small_model(0)
+    model.compile(AdamAccumulate(accum_iters=4), "mse", jit_compile=True)
+    x, y = regression_data(0, 8)
+    model.fit(x, y, batch_size=2, verbose=0)
+    step = tf.function(model.train_step, jit_compile=True)
+    hlo = step.experimental_get_compiler_ir((x[:2], y[:2]))("optimized_hlo")
+    shapes = {
+        "f32[" + ",".join(map(str, v.shape)) + "]"
+        for v in model.trainable_variables
+    }
+    copied = re.findall(r"= (f32\[[\d,]*\])\S* copy\(", hlo)
+    assert " while(" in hlo
+    assert not [shape for shape in copied if shape in shapes], copied
