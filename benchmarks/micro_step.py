@@ -13,8 +13,9 @@ and 1, and ours at 4 with `skip_nonfinite`, `measure_noise_scale` and
 both), warms each up, then alternates them for `--repeats` rounds. Every
 run's records go to `OUT/MODE_WORKLOAD_runN.jsonl`; the summary,
 `OUT/micro_step.md`, gives each ratio as the median over a run's rounds of
-the per-round ratio, and the range of those medians over the runs. Run it
-on an otherwise idle machine (~45 min on 2 cores for the defaults).
+the per-round ratio, then the median of those over the runs and their
+range. Run it on an otherwise idle machine (~30-45 min on 2 cores for the
+defaults).
 """
 
 import argparse
@@ -116,7 +117,7 @@ def ratios_of(path):
 
 def summary(args):
     """The markdown table: one row per mode and workload, each cell the
-    range over runs of the median ratios."""
+    median over runs of the runs' median ratios, and their range."""
     header = "| mode | workload | " + " | ".join(c for c, _, _ in RATIOS)
     lines = [header + " |", "|---" * (len(RATIOS) + 2) + "|"]
     for workload in args.workloads:
@@ -129,18 +130,19 @@ def summary(args):
             cells = []
             for column, _, _ in RATIOS:
                 values = sorted(r[column] for r in runs if column in r)
-                cells.append(_range(values))
+                cells.append(_median_and_range(values))
             lines.append(f"| {mode} | {workload} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def _range(values):
-    """`low-high` of sorted `values` to 2 decimals (one figure where they
-    round alike), or `n/a`."""
+def _median_and_range(values):
+    """`median (low-high)` of sorted `values` to 2 decimals (one figure
+    where they round alike), or `n/a`."""
     if not values:
         return "n/a"
+    median = f"{statistics.median(values):.2f}"
     low, high = f"{values[0]:.2f}", f"{values[-1]:.2f}"
-    return low if low == high else f"{low}-{high}"
+    return median if low == high else f"{median} ({low}-{high})"
 
 
 def main(argv=None):
