@@ -255,7 +255,7 @@ def test_jax_update_math_runs_inside_the_gate_loop():
 
 
 @pytest.mark.backends("tensorflow")
-def test_tensorflow_xla_step_copies_no_variable_outside_the_close():
+def test_tensorflow_xla_step_copies_no_model_variable():
     """Under XLA the close is a loop of zero or one trip: a conditional
     would copy every variable the close writes through its branch not
     taken, on every step; counted in the compiled step's optimized HLO."""
