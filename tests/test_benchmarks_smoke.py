@@ -309,3 +309,18 @@ def test_launches_counts_every_configuration():
         }
         assert counts["keras_builtin_k4"]["If"] == 1, counts
         assert counts["parent"]["If"] == 0, counts
+
+
+@pytest.mark.backends("tensorflow")
+def test_xla_outputs_profile_prints_a_cost_per_variable_written(capsys):
+    from benchmarks import xla_outputs
+
+    xla_outputs.main(["--workload", "mlp", "--copies", "1", "--calls", "2"])
+    rows = capsys.readouterr().out.splitlines()[-4:]
+    # The computation alone, then the loop and the writes over the MLP's 6
+    # variables (each with a cost per variable), then its floats in 2.
+    assert rows[0].startswith("computation alone")
+    assert rows[1].startswith("loop over 6 variables")
+    assert rows[2].startswith("6 variables written, every call")
+    assert rows[3].startswith("loop over their floats in 2 variables")
+    assert all(len(row.split()) >= 4 for row in rows[1:3])
