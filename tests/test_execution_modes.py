@@ -276,3 +276,55 @@ def test_tensorflow_xla_step_copies_no_model_variable():
     copied = re.findall(r"= (f32\[[\d,]*\])\S* copy\(", hlo)
     assert " while(" in hlo
     assert not [shape for shape in copied if shape in shapes], copied
+
+
+def _program_of(step_text):
+    """A compiled program's text without its names, metadata and source
+    locations (JAX's tables, `FileNames` to `StackFrames`): two programs
+    that compute the same thing the same way read the same."""
+    import re
+
+    tables = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+    blocks = step_text.split("\n\n")
+    text = "\n".join(b for b in blocks if not b.startswith(tables))
+    text = re.sub(r", metadata=\{[^}]*\}", "", text)
+    text = re.sub(r"%[\w.\-]+", "%_", text)
+    return [line for line in text.splitlines()[1:] if line.strip()]
+
+
+@pytest.mark.backends("tensorflow", "jax")
+def test_accum_iters_1_compiles_to_the_parents_own_program():
+    """`accum_iters=1` without features keeps no window: its train step
+    under XLA is the parent's, instruction for instruction, so it costs
+    what the parent costs."""
+    programs = []
+    for optimizer in (keras.optimizers.Adam(), AdamAccumulate(accum_iters=1)):
+        model = small_model(0)
+        model.compile(optimizer, "mse", jit_compile=True)
+        x, y = regression_data(0, 4)
+        model.fit(x, y, batch_size=2, verbose=0)
+        if keras.backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            step = tf.function(model.train_step, jit_compile=True)
+            text = step.experimental_get_compiler_ir((x[:2], y[:2]))(
+                "optimized_hlo"
+            )
+        else:
+            import jax
+
+            state = (
+                [v.value for v in model.trainable_variables],
+                [v.value for v in model.non_trainable_variables],
+                [v.value for v in optimizer.variables],
+                [v.value for v in model.metrics_variables],
+            )
+            text = (
+                jax.jit(model.train_step)
+                .lower(state, (x[:2], y[:2]))
+                .compile()
+                .as_text()
+            )
+        programs.append(_program_of(text))
+    assert len(programs[0]) > 50
+    assert programs[0] == programs[1]
