@@ -7,12 +7,12 @@ write, on every call, whether it writes it or not.
 Compiles a fixed computation (a 512x512 matmul) with `jit_compile=True`,
 alone and beside writes of variables: the workload's trainable variables'
 shapes, `--copies` times over (the window's close under XLA carries the
-weights and each of Adam's two moments: three copies), in a
-`tf.while_loop` of zero trips whose body would write them, and written on
-every call with the value they hold; and, for each, the same number of
-floats in two flat variables in the loop. The configurations alternate
-call by call; prints the median microseconds per call of each, and the
-cost per variable.
+weights and each of Adam's two moments: three copies), carried by the
+close's own zero-or-once loop (`_backend.tensorflow._once_if`) where it
+does not run, and written on every call with the value they hold; and,
+for each, as many floats in two variables carried by the loop. The
+configurations alternate call by call; prints the median microseconds per
+call of each, and the cost per variable.
 """
 
 import argparse
@@ -33,67 +33,55 @@ def parse(argv=None):
     return parser.parse_args(argv)
 
 
-def loop_writing(variables, runs):
-    """A loop of `runs` trips (0 here) whose body writes `variables`."""
-    import tensorflow as tf
-    from tensorflow.compiler.tf2xla.python import xla
-
-    def body(trips):
-        # The barrier keeps XLA from hoisting the body's reads out of the
-        # loop, as the close's does.
-        trips, *values = xla.optimization_barrier(
-            trips, *[v.read_value() for v in variables]
-        )
-        for variable, value in zip(variables, values):
-            variable.assign(value * 0.5)
-        return (trips + 1,)
-
-    tf.while_loop(
-        lambda trips: trips < runs,
-        body,
-        (tf.constant(0),),
-        maximum_iterations=1,
-    )
-
-
 def steps(shapes, copies):
     """`{name: (compiled step, variables written)}`: the computation alone,
-    and beside a loop carrying `copies` variables of each of `shapes`,
-    beside writes of as many on every call, or beside a loop carrying as
-    many floats in two variables (written: `None`)."""
+    and beside the close's loop (`_once_if`, not run) carrying `copies`
+    variables of each of `shapes`, beside writes of as many on every call,
+    or beside the loop carrying as many floats in two variables (written:
+    `None`)."""
+    import keras
     import tensorflow as tf
+
+    from accum_optimizers._backend.tensorflow import _once_if
+
+    def zeros(shape):
+        # Keras variables, as the window's sums are.
+        return keras.Variable(np.zeros(shape, "float32"))
 
     matrix = tf.Variable(tf.ones([512, 512]))
     runs = tf.Variable(0)
 
-    def compute(x):
-        return tf.reduce_sum(tf.matmul(matrix, matrix) * x)
-
-    def compiled(variables, in_loop=True):
+    def compiled(write):
         @tf.function(jit_compile=True)
         def step(x):
-            result = compute(x)
-            if variables and in_loop:
-                loop_writing(variables, runs)
-            for variable in [] if in_loop else variables:
-                variable.assign(variable.read_value())
+            result = tf.reduce_sum(tf.matmul(matrix, matrix) * x)
+            write()
             return result
 
         return step
 
+    def in_loop(variables):
+        return lambda: _once_if(runs > 0, lambda: None, variables)
+
+    def every_call(variables):
+        return lambda: [v.assign(v.value) for v in variables]
+
     floats = sum(int(np.prod(shape)) for shape in shapes)
-    result = {"computation alone": (compiled([]), None)}
+    result = {"computation alone": (compiled(lambda: None), None)}
     for n in copies:
-        many = [tf.Variable(tf.zeros(s)) for s in shapes for _ in range(n)]
-        flat = [tf.Variable(tf.zeros([floats * n // 2])) for _ in range(2)]
-        result[f"loop over {len(many)} variables"] = (compiled(many), len(many))
-        written = [tf.Variable(tf.zeros(s)) for s in shapes for _ in range(n)]
-        result[f"{len(many)} variables written, every call"] = (
-            compiled(written, in_loop=False),
+        many = [zeros(s) for s in shapes for _ in range(n)]
+        written = [zeros(s) for s in shapes for _ in range(n)]
+        flat = [zeros([floats * n // 2]) for _ in range(2)]
+        result[f"loop over {len(many)} variables"] = (
+            compiled(in_loop(many)),
+            len(many),
+        )
+        result[f"{len(written)} variables written, every call"] = (
+            compiled(every_call(written)),
             len(written),
         )
         result[f"loop over their floats in 2 variables (x{n})"] = (
-            compiled(flat),
+            compiled(in_loop(flat)),
             None,
         )
     return result
