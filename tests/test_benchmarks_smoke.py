@@ -324,3 +324,16 @@ def test_xla_outputs_profile_prints_a_cost_per_variable_written(capsys):
     assert rows[2].startswith("6 variables written, every call")
     assert rows[3].startswith("loop over their floats in 2 variables")
     assert all(len(row.split()) >= 4 for row in rows[1:3])
+
+
+@pytest.mark.backends("tensorflow")
+def test_untaken_close_profile_prints_a_row_per_configuration(capsys):
+    from benchmarks import untaken_close
+
+    untaken_close.main(["--builds", "1", "--windows", "1"])
+    rows = capsys.readouterr().out.splitlines()
+    table = [row for row in rows if row.startswith("| ")][1:]  # no header
+    names = [row.split(" | ")[0].strip("| ") for row in table]
+    assert names == [name for name, _, _ in untaken_close.CONFIGS]
+    assert all(float(row.split(" | ")[-1].strip(" |")) > 0 for row in table)
+    assert rows[-1].startswith("the close's branch, not taken: ")
