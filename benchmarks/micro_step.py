@@ -1,7 +1,7 @@
 """Ours against Keras' built-in accumulation and the parent, per micro-step,
 with the features' cost: one command.
 
-    python -m benchmarks.micro_step [--runs 3] [--repeats 6]
+    python -m benchmarks.micro_step [--runs 4] [--repeats 6]
         [--modes tensorflow tensorflow-xla jax torch]
         [--workloads mlp convnet transformer]
         [--out benchmarks/results/micro_step] [--report-only]
@@ -10,12 +10,13 @@ Each run is one `benchmarks.worker` process per mode and workload, which
 builds Adam in seven configurations from the same initial weights (the
 parent, Keras' `gradient_accumulation_steps=4`, ours at `accum_iters=4`
 and 1, and ours at 4 with `skip_nonfinite`, `measure_noise_scale` and
-both), warms each up, then alternates them for `--repeats` rounds. Every
-run's records go to `OUT/MODE_WORKLOAD_runN.jsonl`; the summary,
-`OUT/micro_step.md`, gives each ratio as the median over a run's rounds of
-the per-round ratio, then the median of those over the runs and their
-range. Run it on an otherwise idle machine (~30-45 min on 2 cores for the
-defaults).
+both), run N building the N-th of them first (where a model's buffers
+lie depends on what was built before it), warms each up, then alternates
+them for `--repeats` rounds. Every run's records go to
+`OUT/MODE_WORKLOAD_runN.jsonl`; the summary, `OUT/micro_step.md`, gives
+each ratio as the median over a run's rounds of the per-round ratio, then
+the median of those over the runs and their range. Run it on an otherwise
+idle machine (~36 min on 2 cores for the defaults).
 """
 
 import argparse
@@ -52,7 +53,7 @@ RATIOS = [
 
 def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     parser.add_argument(
@@ -71,8 +72,9 @@ def run_file(out, mode, workload, run):
     return Path(out) / f"{mode}_{workload}_run{run}.jsonl"
 
 
-def run_worker(mode, workload, repeats, path):
-    """One worker process; its JSON records into `path`."""
+def run_worker(mode, workload, repeats, path, build_shift=0):
+    """One worker process, its configurations built in their order rotated
+    by `build_shift`; its JSON records into `path`."""
     env = {
         **os.environ,
         "KERAS_BACKEND": BACKEND_OF_MODE[mode],
@@ -92,6 +94,8 @@ def run_worker(mode, workload, repeats, path):
         str(repeats),
         "--configs",
         *CONFIGS,
+        "--build-shift",
+        str(build_shift),
     ]
     result = subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True
@@ -153,7 +157,9 @@ def main(argv=None):
             for workload in args.workloads:
                 for mode in args.modes:
                     path = run_file(args.out, mode, workload, run)
-                    run_worker(mode, workload, args.repeats, path)
+                    # Each run builds another configuration first, so that
+                    # the build order favours none in every run.
+                    run_worker(mode, workload, args.repeats, path, run - 1)
                     print(f"run {run}: {mode} {workload}", flush=True)
     table = summary(args)
     (Path(args.out) / "micro_step.md").write_text(table)

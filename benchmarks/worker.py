@@ -184,10 +184,20 @@ def train_seconds(model, x, y, batch_size):
 
 
 def time_group(
-    workload, optimizer_name, mode, jit_compile, repeats, smoke, only=None
+    workload,
+    optimizer_name,
+    mode,
+    jit_compile,
+    repeats,
+    smoke,
+    only=None,
+    build_shift=0,
 ):
     """Times every configuration of `workload` and `optimizer_name` (or
-    those in `only`), side by side; yields one record per configuration."""
+    those in `only`), side by side; yields one record per configuration.
+    The configurations are built in their order rotated by `build_shift`:
+    where a model's buffers lie depends on what was built before it, and
+    two builds of one model differ by a few percent."""
     micro_batch, steps, smoke_steps = workloads.WORKLOADS[workload]
     steps = smoke_steps if smoke else steps
     if mode in DISTRIBUTED_MODES:
@@ -197,7 +207,8 @@ def time_group(
     configs = configs_for(mode) + FEATURE_CONFIGS
     configs = [c for c in configs if c in (only or configs_for(mode))]
     scope = strategy_scope(mode)
-    for config in configs:
+    shift = build_shift % len(configs)
+    for config in configs[shift:] + configs[:shift]:
         model, multiplier = compiled_model(
             workload, config, optimizer_name, jit_compile, scope
         )
@@ -264,6 +275,12 @@ def main(argv=None):
         choices=CONFIGS + FEATURE_CONFIGS,
         help="time only these configurations (default: all but the features')",
     )
+    parser.add_argument(
+        "--build-shift",
+        type=int,
+        default=0,
+        help="build the configurations in their order rotated by this many",
+    )
     args = parser.parse_args(argv)
     jit_compile = {"tensorflow-xla": True}.get(
         args.mode, False if args.mode.startswith("tensorflow") else "auto"
@@ -307,6 +324,7 @@ def main(argv=None):
                 args.repeats,
                 args.smoke,
                 args.configs,
+                args.build_shift,
             ):
                 print(json.dumps({**common, **record}), flush=True)
 

@@ -337,3 +337,26 @@ def test_untaken_close_profile_prints_a_row_per_configuration(capsys):
     assert names == [name for name, _, _ in untaken_close.CONFIGS]
     assert all(float(row.split(" | ")[-1].strip(" |")) > 0 for row in table)
     assert rows[-1].startswith("the close's branch, not taken: ")
+
+
+def test_worker_builds_its_configurations_in_the_order_rotated(monkeypatch):
+    from benchmarks import worker
+
+    built = []
+
+    def building(workload, config, *args):
+        built.append(config)
+        return None, 1
+
+    def failing(*args):
+        raise RuntimeError("not timed")
+
+    monkeypatch.setattr(worker, "compiled_model", building)
+    monkeypatch.setattr(worker, "train_seconds", failing)
+    only = ["parent", "ours_k4", "ours_k1"]
+    records = list(
+        worker.time_group("mlp", "adam", MODE, False, 1, True, only, 4)
+    )
+    assert built == ["ours_k4", "ours_k1", "parent"]
+    # Records keep the configurations' own order, whatever the builds'.
+    assert [r["config"] for r in records] == only
