@@ -7,6 +7,7 @@ tests.
 """
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -337,6 +338,37 @@ def test_untaken_close_profile_prints_a_row_per_configuration(capsys):
     assert names == [name for name, _, _ in untaken_close.CONFIGS]
     assert all(float(row.split(" | ")[-1].strip(" |")) > 0 for row in table)
     assert rows[-1].startswith("the close's branch, not taken: ")
+
+
+def test_close_passes_counts_what_each_instruction_reads_and_writes():
+    from benchmarks import close_passes
+
+    big = close_passes.LARGE
+    hlo = f"""HloModule m
+
+ENTRY %main (a: f32[{big}], b: f32[{big}], c: f32[2]) -> (f32[{big}]) {{
+  %a = f32[{big}]{{0}} parameter(0)
+  %b = f32[{big}]{{0}} parameter(1)
+  %c = f32[2]{{0}} parameter(2)
+  %f = f32[{big}]{{0}} fusion(%a, %b, %c), kind=kLoop, calls=%g
+  %n = f32[] fusion(%a), kind=kLoop, calls=%h
+  ROOT %t = (f32[{big}]{{0}}, f32[]) tuple(%f, %n)
+}}
+"""
+    # Moved: `f` reads a and b and writes itself, `n` reads a again. The
+    # floor: a and b read once, `f` written once; `c` is too small.
+    assert close_passes.traffic(hlo) == (4 * big, 3 * big)
+
+
+@pytest.mark.backends("tensorflow")
+def test_close_passes_prints_the_close_against_its_floor(capsys):
+    from benchmarks import close_passes
+
+    close_passes.main(["--calls", "2"])
+    rows = capsys.readouterr().out.splitlines()[-2:]
+    moved, floor = (float(x) for x in re.findall(r"([\d.]+) MiB", rows[0]))
+    assert moved >= floor > 0, rows
+    assert rows[1].startswith("close: ")
 
 
 def test_worker_builds_its_configurations_in_the_order_rotated(monkeypatch):
