@@ -109,6 +109,7 @@ def _large(shape):
 
 
 def seconds_per_call(close, calls):
+    """The median seconds of `calls` calls of `close`, after a warm-up."""
     for _ in range(10):
         close()
     times = []
@@ -129,11 +130,11 @@ def main(argv=None):
     hlo = close.experimental_get_compiler_ir()(stage="optimized_hlo")
     moved, floor = traffic(hlo)
     ms = seconds_per_call(close, args.calls) * 1e3
-    megabytes = 4 / 2**20
+    mib_per_float = 4 / 2**20
     print(f"{args.workload}, Adam k=4: the close compiled by XLA, alone")
     print(
-        f"moved: {moved * megabytes:.1f} MiB, the floor: "
-        f"{floor * megabytes:.1f} MiB ({moved / floor:.2f}x)"
+        f"moved: {moved * mib_per_float:.1f} MiB, the floor: "
+        f"{floor * mib_per_float:.1f} MiB ({moved / floor:.2f}x)"
     )
     print(
         f"close: {ms:.3f} ms; at that rate the floor: "
