@@ -46,11 +46,8 @@ def parse(argv=None):
 
 def compiled_close(workload):
     """The XLA-compiled close of Adam k=4 on `workload`, built by `fit`."""
-    import contextlib
-
     from accum_optimizers._backend import tensorflow_xla
-    from benchmarks import worker
-    from benchmarks import workloads
+    from benchmarks import window_steps
 
     compiled = []
     original = tensorflow_xla._compiled
@@ -59,14 +56,9 @@ def compiled_close(workload):
         compiled.append(original(close, window))
         return compiled[-1]
 
-    micro_batch = workloads.WORKLOADS[workload][0]
-    x, y = workloads.data(workload, micro_batch * worker.K)
     tensorflow_xla._compiled = keeping
     try:
-        model, _ = worker.compiled_model(
-            workload, "ours_k4", "adam", False, contextlib.nullcontext
-        )
-        model.fit(x, y, batch_size=micro_batch, verbose=0)
+        window_steps.compiled_step(workload, "ours_k4", "adam")
     finally:
         tensorflow_xla._compiled = original
     if not compiled:
