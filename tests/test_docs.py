@@ -59,3 +59,11 @@ def test_tf1_guide_example_prints_what_the_guide_shows():
     # d mean(x @ W) / dW[i, j] = mean(x[:, i]) / 3 = [14, 15, 16][i] / 3.
     assert "[[0.53333 1.53333 2.53333]" in shown  # 1 - 0.1 * 14 / 3
     assert "[6.46667 7.46667 8.46667]]" in shown  # 7 - 0.1 * 16 / 3
+
+
+@pytest.mark.backends("jax")
+def test_the_performance_page_stays_short():
+    # What it costs, the tables, what to pick, how to rerun: how a figure
+    # was found goes in the commit that records it.
+    page = (DOCS / "benchmarks.md").read_text()
+    assert len(page.splitlines()) <= 250
