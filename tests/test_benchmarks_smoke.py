@@ -7,7 +7,6 @@ tests.
 """
 
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -289,86 +288,6 @@ def test_time_to_accuracy_smoke_prints_a_row_per_configuration():
     for task in ("digits", "mnist1d"):
         for config in time_to_accuracy.CONFIGS:
             assert f"| {task} | {config} | " in result.stdout, (task, config)
-
-
-@pytest.mark.backends("tensorflow", "torch")
-def test_launches_counts_every_configuration():
-    # A count, not a time: the window's first calls launch fewer operators
-    # than the one that closes it (its update), for ours and Keras' alike.
-    from benchmarks import launches
-
-    if keras.backend.backend() == "torch":
-        counts = {
-            n: launches.torch_counts(m) for n, m in launches.CONFIGS.items()
-        }
-        for name in ("keras_builtin_k4", "ours_k4"):
-            assert counts[name]["call 1"] < counts[name]["call 4"], counts
-    else:
-        counts = {
-            n: launches.tensorflow_counts(m)
-            for n, m in launches.CONFIGS.items()
-        }
-        assert counts["keras_builtin_k4"]["If"] == 1, counts
-        assert counts["parent"]["If"] == 0, counts
-
-
-@pytest.mark.backends("tensorflow")
-def test_xla_outputs_profile_prints_a_cost_per_variable_written(capsys):
-    from benchmarks import xla_outputs
-
-    xla_outputs.main(["--workload", "mlp", "--copies", "1", "--calls", "2"])
-    rows = capsys.readouterr().out.splitlines()[-4:]
-    # The computation alone, then the loop and the writes over the MLP's 6
-    # variables (each with a cost per variable), then its floats in 2.
-    assert rows[0].startswith("computation alone")
-    assert rows[1].startswith("loop over 6 variables")
-    assert rows[2].startswith("6 variables written, every call")
-    assert rows[3].startswith("loop over their floats in 2 variables")
-    assert all(len(row.split()) >= 4 for row in rows[1:3])
-
-
-@pytest.mark.backends("tensorflow")
-def test_untaken_close_profile_prints_a_row_per_configuration(capsys):
-    from benchmarks import untaken_close
-
-    untaken_close.main(["--builds", "1", "--windows", "1"])
-    rows = capsys.readouterr().out.splitlines()
-    table = [row for row in rows if row.startswith("| ")][1:]  # no header
-    names = [row.split(" | ")[0].strip("| ") for row in table]
-    assert names == [name for name, _, _ in untaken_close.CONFIGS]
-    assert all(float(row.split(" | ")[-1].strip(" |")) > 0 for row in table)
-    assert rows[-1].startswith("the close's branch, not taken: ")
-
-
-def test_close_passes_counts_what_each_instruction_reads_and_writes():
-    from benchmarks import close_passes
-
-    big = close_passes.LARGE
-    hlo = f"""HloModule m
-
-ENTRY %main (a: f32[{big}], b: f32[{big}], c: f32[2]) -> (f32[{big}]) {{
-  %a = f32[{big}]{{0}} parameter(0)
-  %b = f32[{big}]{{0}} parameter(1)
-  %c = f32[2]{{0}} parameter(2)
-  %f = f32[{big}]{{0}} fusion(%a, %b, %c), kind=kLoop, calls=%g
-  %n = f32[] fusion(%a), kind=kLoop, calls=%h
-  ROOT %t = (f32[{big}]{{0}}, f32[]) tuple(%f, %n)
-}}
-"""
-    # Moved: `f` reads a and b and writes itself, `n` reads a again. The
-    # floor: a and b read once, `f` written once; `c` is too small.
-    assert close_passes.traffic(hlo) == (4 * big, 3 * big)
-
-
-@pytest.mark.backends("tensorflow")
-def test_close_passes_prints_the_close_against_its_floor(capsys):
-    from benchmarks import close_passes
-
-    close_passes.main(["--calls", "2"])
-    rows = capsys.readouterr().out.splitlines()[-2:]
-    moved, floor = (float(x) for x in re.findall(r"([\d.]+) MiB", rows[0]))
-    assert moved >= floor > 0, rows
-    assert rows[1].startswith("close: ")
 
 
 def test_worker_builds_its_configurations_in_the_order_rotated(monkeypatch):
