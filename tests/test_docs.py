@@ -1,6 +1,7 @@
-"""The documentation site: the API page, the nav, and a guide's example.
+"""The documentation site: the API page, the nav, a guide's example, and
+the README's usage snippet.
 
-The page checks read files only; the example runs on every backend.
+The page checks read files only; the examples run on every backend.
 """
 
 import contextlib
@@ -59,6 +60,22 @@ def test_tf1_guide_example_prints_what_the_guide_shows():
     # d mean(x @ W) / dW[i, j] = mean(x[:, i]) / 3 = [14, 15, 16][i] / 3.
     assert "[[0.53333 1.53333 2.53333]" in shown  # 1 - 0.1 * 14 / 3
     assert "[6.46667 7.46667 8.46667]]" in shown  # 7 - 0.1 * 16 / 3
+
+
+def _readme_usage():
+    readme = (ROOT / "README.md").read_text()
+    usage = readme[readme.index("\n## Usage\n") :]
+    return re.search(r"```python\n(.*?)```", usage, re.S).group(1)
+
+
+def test_readme_usage_runs_as_written(capsys):
+    # The snippet as a user copies it: it defines its own model and data,
+    # trains, and asks `check_exactness` whether the run is the big batch,
+    # which compares it with Keras' own Adam at batch 50.
+    namespace = {}
+    exec(compile(_readme_usage(), "README.md", "exec"), namespace)
+    assert namespace["report"].exact
+    assert "FlushAccumulation" in namespace  # the snippet ran to its end
 
 
 @pytest.mark.backends("jax")

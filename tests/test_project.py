@@ -34,6 +34,11 @@ def test_readme_starts_with_demo_and_test_commands():
     assert "scripts/run_tests.py" in tests
 
 
+def test_readme_says_how_to_install_before_its_usage():
+    readme = (ROOT / "README.md").read_text()
+    assert readme.index("\n## Install\n") < readme.index("\n## Usage\n")
+
+
 def test_ci_runs_the_readme_test_command_verbatim():
     _, tests = _readme_commands()
     ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
