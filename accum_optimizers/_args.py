@@ -150,7 +150,11 @@ ARGUMENTS = (
         (`2**17`): below that, on a CPU, launching the computation costs
         more than the fusion saves. `False` keeps TensorFlow's ops. A
         close XLA cannot compile (a Python callback in a learning-rate
-        schedule, a device without XLA) runs as it is. No effect where
+        schedule, a device without XLA) runs as it is, and so does one
+        holding graph checks that XLA compiles as nothing
+        (`tf.debugging.check_numerics`, `tf.debugging.Assert` and the
+        `tf.debugging.assert_*` of a constraint or a schedule), which then
+        raise as under the parent; `True` warns then. No effect where
         the step is compiled already (XLA, JAX) or eager (torch,
         `run_eagerly=True`). Defaults to `"auto"`.""",
         _check_jit_compile,

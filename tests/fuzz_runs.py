@@ -119,6 +119,12 @@ class Run:
     # How it maps them: "map" (an `OptimizerMap`) or "function" (which
     # names its optimizers only once built).
     multi_map: str = "map"
+    # TensorFlow: a graph check, which XLA would compile as nothing:
+    # "constraint", `check_numerics` on the first variable (finite here:
+    # the runs end alike), or "schedule", a rate that asserts the update
+    # count is below `check_updates` (both runs raise, or neither).
+    graph_check: Optional[str] = None
+    check_updates: int = 1
 
     @property
     def micro_batches(self):
@@ -192,6 +198,10 @@ def window_size(run, updates, samples, noise=None):
 def _options(run):
     cls, parent_cls, options = OPTIMIZERS[run.optimizer]
     options = dict(options)
+    if run.graph_check == "schedule":
+        options["learning_rate"] = CheckedRate(
+            options["learning_rate"], run.check_updates
+        )
     if run.clipnorm is not None:
         options["clipnorm"] = run.clipnorm
     if run.weight_decay is not None:
@@ -208,8 +218,59 @@ def make_model(run=None):
     # model must keep.
     head_name = "head" if run is not None and run.multi else None
     if run is not None and run.model == "embedding":
-        return small_embedding_model(SEED, head_name=head_name)
-    return small_model(SEED, head_name=head_name)
+        model = small_embedding_model(SEED, head_name=head_name)
+    else:
+        model = small_model(SEED, head_name=head_name)
+    return with_graph_check(run, model)
+
+
+# What the graph checks' errors say.
+CHECK_MESSAGE = "graph check failed"
+
+
+@keras.saving.register_keras_serializable(package="fuzz_runs")
+class CheckedRate(keras.optimizers.schedules.LearningRateSchedule):
+    """A constant `rate` that asserts the update count is below
+    `updates` (`tf.debugging.assert_less`)."""
+
+    def __init__(self, rate, updates):
+        self.rate = rate
+        self.updates = updates
+
+    def __call__(self, step):
+        import tensorflow as tf
+
+        tf.debugging.assert_less(
+            step, tf.cast(self.updates, step.dtype), message=CHECK_MESSAGE
+        )
+        return tf.constant(self.rate, "float32")
+
+    def get_config(self):
+        return {"rate": self.rate, "updates": self.updates}
+
+
+def with_graph_check(run, model):
+    """`model`, its first variable checked by `check_numerics` where the
+    run draws a checking constraint (a variable's constraint, which a
+    `.keras` file does not keep: set again on a loaded model)."""
+    if run is not None and run.graph_check == "constraint":
+        import tensorflow as tf
+
+        model.trainable_variables[0].constraint = (
+            lambda w: tf.debugging.check_numerics(w, CHECK_MESSAGE)
+        )
+    return model
+
+
+def graph_check_failed(run, error):
+    """Whether `error` is the run's graph check failing."""
+    if run.graph_check is None:
+        return False
+    import tensorflow as tf
+
+    return isinstance(error, tf.errors.InvalidArgumentError) and (
+        CHECK_MESSAGE in str(error)
+    )
 
 
 def model_gradients(run):
@@ -404,7 +465,7 @@ def _resumed(run, model, tmp_path):
     if run.resume == "keras":
         path = os.path.join(tmp_path, "run.keras")
         model.save(path)
-        return keras.models.load_model(path)
+        return with_graph_check(run, keras.models.load_model(path))
     path = os.path.join(tmp_path, "run.weights.h5")
     model.save_weights(path)
     fresh = _compile_ours(run, make_model(run))

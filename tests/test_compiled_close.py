@@ -1,7 +1,10 @@
 """`jit_compile`: in a TensorFlow graph without XLA, the window's close
 runs as one XLA computation where it is asked for (`True`, or `"auto"` from
 `2**17` parameters) and XLA compiles it, and trains as the parent does on
-the big batch either way."""
+the big batch either way; a close holding graph checks (which XLA drops)
+runs as TensorFlow's ops, and they raise as under the parent."""
+
+import contextlib
 
 import keras
 import numpy as np
@@ -110,3 +113,74 @@ def test_auto_compiles_the_close_from_two_to_the_seventeen_parameters(
     y = np.zeros((2, units), "float32")
     model.fit(x, y, batch_size=1, verbose=0)
     assert bool(_xla_functions(model, x[:1], y[:1])) == compiled
+
+
+class _CheckedNumerics(keras.constraints.Constraint):
+    """A constraint that only checks: `tf.debugging.check_numerics`."""
+
+    def __call__(self, w):
+        import tensorflow as tf
+
+        return tf.debugging.check_numerics(w, "kernel checked")
+
+
+class _AssertedRate(keras.optimizers.schedules.LearningRateSchedule):
+    """A constant rate that asserts the update count is below `updates`."""
+
+    def __init__(self, updates):
+        self.updates = updates
+
+    def __call__(self, step):
+        import tensorflow as tf
+
+        tf.debugging.assert_less(
+            step, tf.cast(self.updates, step.dtype), message="rate checked"
+        )
+        return tf.constant(0.01)
+
+
+# A kernel of 256 x 512: 2**17 parameters in one variable, which "auto"
+# compiles; `True` compiles any size.
+CHECKED_UNITS = {True: 4, "auto": 512}
+
+
+def _checked_fit(optimizer, check, units, batch_size):
+    """Fits a one-layer model with `check` on 8 samples: a constraint that
+    checks the kernel's numbers (sample 5 is NaN, and so is the update of
+    its batch), or `optimizer`'s schedule (`_AssertedRate`)."""
+    constraint = _CheckedNumerics() if check == "constraint" else None
+    model = keras.Sequential(
+        [
+            keras.Input((256,)),
+            keras.layers.Dense(units, kernel_constraint=constraint),
+        ]
+    )
+    model.compile(optimizer, "mse", jit_compile=False)
+    x = np.ones((8, 256), "float32")
+    y = np.zeros((8, units), "float32")
+    if check == "constraint":
+        x[5] = np.nan
+    model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
+
+
+@on_tensorflow
+@pytest.mark.parametrize("check", ["constraint", "schedule"])
+@pytest.mark.parametrize("jit_compile", [True, "auto"])
+def test_a_close_with_graph_checks_raises_where_the_parent_raises(
+    check, jit_compile
+):
+    import tensorflow as tf
+
+    units = CHECKED_UNITS[jit_compile]
+    rate = _AssertedRate(2) if check == "schedule" else 0.01
+    # The oracle: the parent on the big batches of 2 raises.
+    with pytest.raises(tf.errors.InvalidArgumentError, match="checked"):
+        _checked_fit(keras.optimizers.Adam(rate), check, units, 2)
+    ours = AdamAccumulate(rate, accum_iters=2, jit_compile=jit_compile)
+    # Asked to compile a close XLA would drop the checks of, it says why
+    # it does not.
+    warns = pytest.warns(UserWarning, match="graph checks")
+    with warns if jit_compile is True else contextlib.nullcontext():
+        with pytest.raises(tf.errors.InvalidArgumentError, match="checked"):
+            _checked_fit(ours, check, units, 1)
+

@@ -30,6 +30,7 @@ from fuzz_runs import Run
 from fuzz_runs import assert_same_noise
 from fuzz_runs import assert_same_run
 from fuzz_runs import data
+from fuzz_runs import graph_check_failed
 from fuzz_runs import initial_weights
 from fuzz_runs import make_model
 from fuzz_runs import model_gradients
@@ -165,6 +166,14 @@ def runs(draw):
         run.run_eagerly = draw(st.sampled_from([False, False, False, True]))
         if BACKEND == "tensorflow":
             run.compile_close = draw(st.sampled_from([True, False, "auto"]))
+    # A graph check in a graph without XLA (which drops it under the parent
+    # too) or eagerly: the window's close must keep it, compiled or not.
+    if BACKEND == "tensorflow" and run.jit_compile is False:
+        checks = [None, None, "constraint"]
+        if not run.adascale:  # AdaScale reads its base rate at `tau`
+            checks.append("schedule")
+        run.graph_check = draw(st.sampled_from(checks))
+        run.check_updates = draw(st.sampled_from([1, 3, 1000]))
     return run
 
 
@@ -220,13 +229,26 @@ def check(run, tmp_path, holes=True):
             train_ours(run, tmp_path)
         return
     initial = initial_weights(run)
-    ours = train_ours(run, tmp_path)
+    try:
+        ours = train_ours(run, tmp_path)
+    except Exception as error:
+        if not graph_check_failed(run, error):
+            raise
+        ours = error
     try:
         parent = train_parent(run)
     except AmbiguousWindow as ambiguous:
         # Rare: the run's window there is float32 round-off's choice.
         note(f"not checked: {ambiguous}")
         assume(False)
+    except Exception as error:
+        if not graph_check_failed(run, error):
+            raise
+        parent = error
+    if isinstance(ours, Exception) or isinstance(parent, Exception):
+        # A graph check failed: where the parent's raises, ours raises.
+        assert type(ours) is type(parent), (ours, parent)
+        return
     assert_same_run(run, ours, parent, initial, unchecked)
     if run.noise:
         assert_same_noise(run, ours, parent)

@@ -3,6 +3,7 @@ computation, where the optimizer's `jit_compile` asks for it."""
 
 import math
 import platform
+import warnings
 
 import tensorflow as tf
 
@@ -12,7 +13,7 @@ def compiled_close(close, window, jit_compile):
     asks for it and XLA compiles it; else `close`."""
     if not _compiles(jit_compile, window):
         return close
-    return _compiled(close, window)
+    return _compiled(close, window, asked=jit_compile is True)
 
 
 # `jit_compile="auto"` compiles a close from this many parameters: below
@@ -31,7 +32,7 @@ def _compiles(jit_compile, window):
     return size >= AUTO_COMPILED_PARAMETERS
 
 
-def _compiled(close, window):
+def _compiled(close, window, asked):
     """`close`, `window`'s, as one XLA computation where XLA compiles it;
     else `close`.
 
@@ -41,8 +42,9 @@ def _compiled(close, window):
     the optimizers of `tf.keras` before Keras 3 compiled their update.
     The computation writes its variables once it has computed them all.
     A close XLA cannot compile (a Python callback in a schedule or a
-    constraint, a device without XLA, variables on several devices) runs
-    as it is.
+    constraint, a device without XLA, variables on several devices), or
+    one that holds graph checks XLA would drop (`GRAPH_CHECKS`), runs as
+    it is; the latter warns where the user `asked` for `jit_compile=True`.
     """
     if _xla_unsupported_here():
         return close
@@ -54,10 +56,39 @@ def _compiled(close, window):
     compiled = tf.function(close, jit_compile=True, autograph=False)
     try:
         with tf.init_scope():
-            compiled.experimental_get_compiler_ir()(stage="hlo")
+            checks = _graph_checks(compiled.get_concrete_function())
+            if not checks:
+                compiled.experimental_get_compiler_ir()(stage="hlo")
     except Exception:  # noqa: BLE001 - the plain close raises its own
         return close
+    if checks:
+        if asked:
+            warnings.warn(
+                "`jit_compile=True`: the window's close holds graph checks "
+                f"({', '.join(sorted(checks))}: a constraint's or a "
+                "learning-rate schedule's `tf.debugging` call) that XLA "
+                "compiles as nothing; it runs as TensorFlow's ops, which "
+                "keep them. Pass `jit_compile=False` to silence this.",
+                stacklevel=2,
+            )
+        return close
     return compiled
+
+
+# Ops that XLA compiles as nothing (`Assert`) or only on a GPU
+# (`CheckNumerics`): a close holding them runs as TensorFlow's ops.
+GRAPH_CHECKS = frozenset({"Assert", "CheckNumerics", "CheckNumericsV2"})
+
+
+def _graph_checks(function):
+    """The `GRAPH_CHECKS` ops in the concrete `function`'s graph, and in
+    every function it calls (branches of `cond`, bodies of `while_loop`,
+    nested `tf.function`s)."""
+    graph = function.graph.as_graph_def()
+    ops = {node.op for node in graph.node}
+    for nested in graph.library.function:
+        ops.update(node.op for node in nested.node_def)
+    return ops & GRAPH_CHECKS
 
 
 def _xla_unsupported_here():
