@@ -311,3 +311,17 @@ def test_worker_builds_its_configurations_in_the_order_rotated(monkeypatch):
     assert built == ["ours_k4", "ours_k1", "parent"]
     # Records keep the configurations' own order, whatever the builds'.
     assert [r["config"] for r in records] == only
+
+
+@pytest.mark.backends("tensorflow")
+def test_compile_cost_prints_each_fit_and_what_auto_chose(capsys):
+    pytest.importorskip("keras_hub")
+    from benchmarks import compile_cost
+
+    compile_cost.main(["--smoke"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line[:2] == "| "]
+    assert len(rows) == 5  # the header and four configurations
+    # A one-layer model of 17 K parameters: "auto" leaves it uncompiled.
+    assert '| jit_compile="auto" (= False) |' in out
+    assert all(float(row.split(" | ")[1]) > 0 for row in rows[1:])

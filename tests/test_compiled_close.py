@@ -1,8 +1,9 @@
 """`jit_compile`: in a TensorFlow graph without XLA, the window's close
-runs as one XLA computation where it is asked for (`True`, or `"auto"` from
-`2**17` parameters) and XLA compiles it, and trains as the parent does on
-the big batch either way; a close holding graph checks (which XLA drops)
-runs as TensorFlow's ops, and they raise as under the parent."""
+runs as one XLA computation where it is asked for (`True`, or `"auto"`
+from `2**17` parameters and 30,000 per variable) and XLA compiles it, and
+trains as the parent does on the big batch either way; a close holding
+graph checks (which XLA drops) runs as TensorFlow's ops, and they raise as
+under the parent."""
 
 import contextlib
 
@@ -184,3 +185,24 @@ def test_a_close_with_graph_checks_raises_where_the_parent_raises(
         with pytest.raises(tf.errors.InvalidArgumentError, match="checked"):
             _checked_fit(ours, check, units, 1)
 
+
+@on_tensorflow
+@pytest.mark.parametrize(
+    "layers, width, compiled", [(2, 256, True), (8, 128, False)]
+)
+def test_auto_compiles_a_close_of_few_large_variables_not_many_small(
+    layers, width, compiled
+):
+    # 2**17 parameters either way: 2 kernels of 256 x 256, or 8 of 128 x
+    # 128. XLA's compile time grows with the variables, its saving with
+    # their size: "auto" compiles from 30,000 parameters a variable (the
+    # documented rule).
+    model = keras.Sequential(
+        [keras.Input((width,))]
+        + [keras.layers.Dense(width, use_bias=False) for _ in range(layers)]
+    )
+    assert model.count_params() == 2**17
+    model.compile(AdamAccumulate(accum_iters=2), "mse", jit_compile=False)
+    model.optimizer.build(model.trainable_variables)
+    x = np.ones((1, width), "float32")
+    assert bool(_xla_functions(model, x, x)) == compiled

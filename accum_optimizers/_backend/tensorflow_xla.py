@@ -20,16 +20,46 @@ def compiled_close(close, window, jit_compile):
 # it, on a CPU, launching the XLA computation costs more than its fusion
 # saves.
 AUTO_COMPILED_PARAMETERS = 2**17
+# What a compiled close costs and saves, Adam on 2 CPU cores, nothing else
+# running (`benchmarks.compile_cost`, `window_steps --compiled-close`):
+# XLA's compile time grows with the number of variables (a GPT2-shaped
+# model's first `fit`: +12.8 s for 196 variables), not their size;
+COMPILE_SECONDS_PER_VARIABLE = 0.065
+# each window saves TensorFlow's kernel launches per variable (60 Dense
+# layers of 64, under load: 23 us a window against 335 ms of compile),
+SAVED_SECONDS_PER_VARIABLE = 5e-6
+# and its temporaries' memory traffic per parameter (MLPs of 0.2-0.4 M).
+SAVED_SECONDS_PER_PARAMETER = 2e-9
+# "auto" compiles a close that repays its compile within this many windows
+# (a short `fit` need not pay for what only a long run gets back),
+AUTO_PAYBACK_WINDOWS = 1000
+# which is one of at least this many parameters per variable (30,000).
+AUTO_PARAMETERS_PER_VARIABLE = round(
+    (
+        COMPILE_SECONDS_PER_VARIABLE / AUTO_PAYBACK_WINDOWS
+        - SAVED_SECONDS_PER_VARIABLE
+    )
+    / SAVED_SECONDS_PER_PARAMETER
+)
 
 
 def _compiles(jit_compile, window):
     """Whether `window`'s close is to be compiled: the optimizer's
-    `jit_compile`, where `"auto"` is true for sums of at least
-    `AUTO_COMPILED_PARAMETERS` entries."""
+    `jit_compile`, where `"auto"` is `auto_compiles`."""
     if jit_compile != "auto":
         return jit_compile
-    size = sum(math.prod(total.shape) for total in window.sums)
-    return size >= AUTO_COMPILED_PARAMETERS
+    return auto_compiles([total.shape for total in window.sums])
+
+
+def auto_compiles(shapes):
+    """Whether `jit_compile="auto"` compiles a close whose sums have these
+    `shapes`: from `AUTO_COMPILED_PARAMETERS` parameters, and
+    `AUTO_PARAMETERS_PER_VARIABLE` per variable on average."""
+    parameters = sum(math.prod(shape) for shape in shapes)
+    return (
+        parameters >= AUTO_COMPILED_PARAMETERS
+        and parameters >= AUTO_PARAMETERS_PER_VARIABLE * len(shapes)
+    )
 
 
 def _compiled(close, window, asked):
