@@ -10,7 +10,9 @@ measures the noise scale, its read-outs (and those the logger recorded) are
 those worked out in numpy from the micro-batch gradients at each window's
 starting weights (`fuzz_runs.NoiseOracle`); with an AdaScale learning
 rate, the oracle's gains from those set the parent's learning rate at each
-window, and the run's gain and scale-invariant step are judged too.
+window, and the run's gain and scale-invariant step are judged too. On
+TensorFlow a run may hold a graph check (a constraint's `check_numerics`,
+a schedule's assertion): where the parent's raises, the run raises too.
 
 Examples per backend follow `HYPOTHESIS_PROFILE`: a few, derandomized, in
 CI; `HYPOTHESIS_PROFILE=thorough` runs hundreds:
@@ -168,13 +170,23 @@ def runs(draw):
             run.compile_close = draw(st.sampled_from([True, False, "auto"]))
     # A graph check in a graph without XLA (which drops it under the parent
     # too) or eagerly: the window's close must keep it, compiled or not.
-    if BACKEND == "tensorflow" and run.jit_compile is False:
-        checks = [None, None, "constraint"]
+    if BACKEND == "tensorflow" and not _xla_step(run.jit_compile):
+        checks = [None, "constraint"]
         if not run.adascale:  # AdaScale reads its base rate at `tau`
             checks.append("schedule")
         run.graph_check = draw(st.sampled_from(checks))
-        run.check_updates = draw(st.sampled_from([1, 3, 1000]))
+        run.check_updates = draw(st.sampled_from([1, 3]))
     return run
+
+
+def _xla_step(jit_compile):
+    """Whether `model.compile(jit_compile=...)` makes TensorFlow's train
+    step XLA: Keras' `"auto"` does where a GPU is."""
+    if jit_compile == "auto":
+        import tensorflow as tf
+
+        return bool(tf.config.list_physical_devices("GPU"))
+    return jit_compile
 
 
 # Holes found and not fixed yet: (the runs it spoils, the checks left out
@@ -338,6 +350,18 @@ def test_the_logger_records_the_last_update_of_each_execution(tmp_path):
     check(
         Run(accum=2, samples=16, steps_per_execution=4, logger=True), tmp_path
     )
+
+
+@pytest.mark.backends("tensorflow")
+def test_a_schedule_s_assertion_in_a_compiled_close_raises_as_the_parent(
+    tmp_path,
+):
+    # The drawn case that found the hole, pinned: XLA compiled the
+    # schedule's assertion as nothing, and the run trained on where the
+    # parent raised at its second update.
+    run = Run(accum=2, samples=16, jit_compile=False, compile_close=True)
+    run.graph_check, run.check_updates = "schedule", 1
+    check(run, tmp_path)
 
 
 def test_accum_iters_raised_after_building_with_one_is_refused(tmp_path):
