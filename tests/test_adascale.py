@@ -369,3 +369,94 @@ def test_the_logger_reads_out_the_gain_and_tau(tmp_path):
     scalars = tensorboard_scalars(tmp_path / "train")
     _, written = scalars["accumulation/scale_invariant_step"][-1]
     assert written == pytest.approx(tau)
+
+
+class _ReadOuts(keras.callbacks.Callback):
+    """The noise scale's averages and AdaScale's read-outs after each
+    micro-batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.after = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        optimizer = self.model.optimizer
+        self.after.append(
+            {
+                name: _value(getattr(optimizer, name))
+                for name in (
+                    "gradient_sq_norm",
+                    "gradient_noise_trace",
+                    "adascale_gain",
+                    "scale_invariant_step",
+                )
+            }
+        )
+
+
+def test_a_window_of_weight_0_is_a_step_of_rate_0():
+    """A window whose sample weights are all 0 (`mean_with_sample_weight`)
+    holds no sample: `S = 0`, its gain is 0, `tau` does not move, and its
+    update is the parent's at learning rate 0 (no weight decay; SGD's
+    momentum carries on); the next window's gain is its own. Oracle: the
+    parent SGD on each window's big batch, its rate the base rate times
+    the gain recomputed in numpy from the averages the optimizer reports
+    (0 where the window weighs 0, the documented rule)."""
+    x, y = regression_data(5, 32)
+    sample_weight = np.random.default_rng(5).choice([0.5, 1.0, 3.0], 32)
+    sample_weight[8:16] = 0.0  # the second window: 2 micro-batches of 4
+    sample_weight = sample_weight.astype("float32")
+    micro, base_rate, base_batch = 4, 0.5, 4.0
+    loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
+    options = {"momentum": 0.9, "weight_decay": 0.05}
+    model = small_model(2)
+    optimizer = SGDAccumulate(
+        learning_rate=schedules.adascale(base_rate, base_batch),
+        accum_iters=2,
+        measure_noise_scale=True,
+        noise_scale_momentum=0.5,
+        **options,
+    )
+    model.compile(optimizer=optimizer, loss=loss)
+    weigh_micro_batches(model)
+    read_outs = _ReadOuts()
+    model.fit(
+        x,
+        y,
+        sample_weight=sample_weight,
+        batch_size=micro,
+        shuffle=False,
+        verbose=0,
+        callbacks=[read_outs],
+    )
+    parent = small_model(2)
+    parent_optimizer = keras.optimizers.SGD(base_rate, **options)
+    parent.compile(optimizer=parent_optimizer, loss=loss)
+    tau, gains = 0.0, []
+    for window in range(4):
+        rows = slice(2 * micro * window, 2 * micro * (window + 1))
+        weight = float(sample_weight[rows].sum())
+        after = read_outs.after[2 * window + 1]
+        gain = 0.0
+        if weight > 0:
+            gain = _gain(
+                after["gradient_sq_norm"],
+                after["gradient_noise_trace"],
+                weight,
+                base_batch,
+            )
+        parent_optimizer.learning_rate = base_rate * gain
+        parent.train_on_batch(
+            x[rows], y[rows], sample_weight=sample_weight[rows]
+        )
+        tau += gain
+        gains.append(gain)
+        np.testing.assert_allclose(
+            [after["adascale_gain"], after["scale_invariant_step"]],
+            [gain, tau],
+            rtol=1e-5,
+            err_msg=f"window {window}",
+        )
+    assert gains[1] == 0.0 and min(gains[2:]) > 1.0
+    for a, b in zip(model.get_weights(), parent.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -8,6 +8,8 @@ are unbiased but noisy (its `|G|^2` is often negative), and a ratio of
 noisy estimates is biased; AdaScale's authors average theirs the same way.
 """
 
+import contextlib
+
 import keras
 from keras import ops
 
@@ -72,7 +74,9 @@ def gain(sq_norm, trace, window_weight, base_batch_size):
     1 and `S = window_weight / base_batch_size`; `1` without an estimate.
 
     A negative average counts 0: `|G|^2 <= 0` is the noise dominating
-    (`r = S`), `tr(Sigma) <= 0` the gradient (`r = 1`)."""
+    (`r = S`), `tr(Sigma) <= 0` the gradient (`r = 1`). A window of weight
+    0 holds no sample: `S = 0`, and it stands for no base step (`r = 0`),
+    with or without an estimate."""
     scale = ops.divide(window_weight, float(base_batch_size))
     sq_norm = ops.maximum(sq_norm, 0.0)
     trace = ops.maximum(trace, 0.0)
@@ -83,7 +87,8 @@ def gain(sq_norm, trace, window_weight, base_batch_size):
     )
     ratio = ops.divide(numerator, ops.where(known, denominator, 1.0))
     ratio = ops.where(known, ratio, 1.0)
-    return ops.clip(ratio, ops.minimum(scale, 1.0), ops.maximum(scale, 1.0))
+    ratio = ops.clip(ratio, ops.minimum(scale, 1.0), ops.maximum(scale, 1.0))
+    return ops.where(ops.greater(window_weight, 0.0), ratio, 0.0)
 
 
 def close(optimizer, sq_norm, trace, window_weight):
@@ -108,6 +113,22 @@ def advance(optimizer):
     )
 
 
+@contextlib.contextmanager
+def applying(optimizer):
+    """While the close applies the parent's update: its learning rate takes
+    the window's gain as it is (`0` for a window of weight 0, the first
+    included), not the rate between windows."""
+    window = optimizer._window
+    if not uses_adascale(optimizer):
+        yield
+        return
+    window.closing = True
+    try:
+        yield
+    finally:
+        window.closing = False
+
+
 def learning_rate(optimizer):
     """The learning rate of the update being applied: the gain times the
     base rate at the scale-invariant step (between windows, the last
@@ -124,7 +145,11 @@ def learning_rate(optimizer):
     else:
         step = scale_invariant_step(optimizer)
         last_gain = window.adascale_gain.value
-        last_gain = ops.where(ops.greater(last_gain, 0.0), last_gain, 1.0)
+        if not window.closing:
+            # Between windows before the first update, a base step's rate.
+            last_gain = ops.where(
+                ops.greater(optimizer.iterations, 0), last_gain, 1.0
+            )
     return optimizer._learning_rate.at(step, last_gain)
 
 

@@ -111,10 +111,11 @@ def restore(optimizer, values):
 
 def _start_adascale_at(window, updates):
     """A state saved without AdaScale's variables: each update it applied
-    was one step of the base schedule."""
+    was one step of the base schedule, of gain 1 (`0` before the first)."""
     window.scale_invariant_step.assign(np.asarray(updates, "float32"))
     window.scale_invariant_step_error.assign(np.zeros((), "float32"))
-    window.adascale_gain.assign(np.zeros((), "float32"))
+    gain = 1.0 if int(np.asarray(updates)) > 0 else 0.0
+    window.adascale_gain.assign(np.asarray(gain, "float32"))
 
 
 def _saved_window_size(optimizer, parent, window):
