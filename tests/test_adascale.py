@@ -252,12 +252,19 @@ def test_a_keras_file_saved_mid_window_resumes_exactly(windows, tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_a_state_saved_without_adascale_continues_the_base_schedule():
+@pytest.mark.parametrize("parent_rate", ["schedule", "float"])
+def test_a_state_saved_without_adascale_continues_the_base_schedule(
+    parent_rate,
+):
     """The parent SGD's state (no window) loaded into an AdaScale
-    optimizer: each update it applied was one base step."""
+    optimizer: each update it applied was one base step. A float rate the
+    parent saved is AdaScale's base rate's to replace."""
     variables = [keras.Variable(np.ones(s, "float32")) for s in SHAPES]
     base = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)
-    parent = keras.optimizers.SGD(learning_rate=base, momentum=0.9)
+    parent = keras.optimizers.SGD(
+        learning_rate=base if parent_rate == "schedule" else 0.3,
+        momentum=0.9,
+    )
     parent.build(variables)
     for _ in range(5):
         parent.apply([keras.ops.ones(s) for s in SHAPES], variables)
@@ -272,6 +279,10 @@ def test_a_state_saved_without_adascale_continues_the_base_schedule():
     optimizer.build(variables)
     optimizer.load_own_variables(store)
     assert _value(optimizer.scale_invariant_step) == 5.0
+    assert _value(optimizer.adascale_gain) == 1.0
+    assert _value(optimizer.learning_rate) == pytest.approx(
+        float(to_numpy(base(5.0)))
+    )
 
 
 @pytest.mark.parametrize(
@@ -460,3 +471,96 @@ def test_a_window_of_weight_0_is_a_step_of_rate_0():
     assert gains[1] == 0.0 and min(gains[2:]) > 1.0
     for a, b in zip(model.get_weights(), parent.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _weighted_micro_batches(optimizer, variables, rng, mean, counts):
+    """Applies a micro-batch of each weight in `counts` (gradients drawn
+    about `mean`); returns their gradients, in float64."""
+    applied = []
+    for n in counts:
+        grads = [m + rng.normal(size=m.shape) / np.sqrt(n) for m in mean]
+        applied.append(grads)
+        optimizer.apply(
+            [keras.ops.convert_to_tensor(g, "float32") for g in grads],
+            variables,
+            weight=float(n),
+        )
+    return applied
+
+
+def test_adascale_turned_on_from_a_state_saved_without_it():
+    """A state saved mid-window by the same optimizer without AdaScale (a
+    float rate: 22 variables against 25 here) loads into an AdaScale one
+    by `load_own_variables`: `tau` is the updates applied, each a base
+    step, the pending micro-batch and the noise scale's averages carry
+    on, and each later update is `base(tau) * r` times the window's mean
+    (numpy, `r` from the averages the optimizer reports)."""
+    rng = np.random.default_rng(7)
+    variables = [
+        keras.Variable(rng.normal(size=s).astype("float32")) for s in SHAPES
+    ]
+    weights = [to_numpy(v).astype("float64") for v in variables]
+    mean = [0.3 * rng.normal(size=s) for s in SHAPES]
+    measuring = {"measure_noise_scale": True, "noise_scale_momentum": 0.5}
+    before = SGDAccumulate(learning_rate=0.1, accum_iters=3, **measuring)
+    before.build(variables)
+    counts = [2.0, 4.0, 7.0] * 2 + [3.0]
+    applied = _weighted_micro_batches(before, variables, rng, mean, counts)
+    for first in (0, 3):
+        for i, w in enumerate(weights):
+            window = [g[i] for g in applied[first : first + 3]]
+            weights[i] = w - 0.1 * np.average(window, 0, counts[first:][:3])
+    store = {}
+    before.save_own_variables(store)
+    base = keras.optimizers.schedules.ExponentialDecay(0.1, 3, 0.5)
+    optimizer = SGDAccumulate(
+        learning_rate=schedules.adascale(base, base_batch_size=2.0),
+        accum_iters=3,
+        **measuring,
+    )
+    optimizer.build(variables)
+    assert len(store) == len(optimizer.variables) - 2  # 3 less, and a rate
+    optimizer.load_own_variables(store)
+    tau = 2.0
+    assert _value(optimizer.scale_invariant_step) == tau
+    assert _value(optimizer.adascale_gain) == 1.0
+    window, weight = [applied[-1]], [counts[-1]]  # the pending one
+    for size in (2, 3):
+        more = list(rng.choice([2.0, 4.0, 7.0], size=size))
+        window += _weighted_micro_batches(optimizer, variables, rng, mean, more)
+        weight += more
+        gain = _gain(
+            _value(optimizer.gradient_sq_norm),
+            _value(optimizer.gradient_noise_trace),
+            float(np.sum(weight)),
+            2.0,
+        )
+        rate = float(to_numpy(base(tau))) * gain
+        for i, w in enumerate(weights):
+            weights[i] = w - rate * np.average([g[i] for g in window], 0, weight)
+        tau += gain
+        window, weight = [], []
+        for variable, w in zip(variables, weights):
+            np.testing.assert_allclose(to_numpy(variable), w, rtol=2e-5)
+        np.testing.assert_allclose(
+            _value(optimizer.scale_invariant_step), tau, rtol=1e-6
+        )
+    assert gain > 1.5
+
+
+def test_a_state_it_cannot_take_is_refused_naming_adascale():
+    variables = [keras.Variable(np.ones(s, "float32")) for s in SHAPES]
+    saved = SGDAccumulate(0.1, accum_iters=2, measure_noise_scale=True)
+    saved.build(variables)
+    saved.apply([keras.ops.ones(s) for s in SHAPES], variables)
+    store = {}
+    saved.save_own_variables(store)
+    optimizer = SGDAccumulate(
+        learning_rate=schedules.adascale(0.1, base_batch_size=1),
+        momentum=0.9,
+        accum_iters=2,
+        measure_noise_scale=True,
+    )
+    optimizer.build(variables)
+    with pytest.raises(ValueError, match="momentum.*AdaScale learning rate"):
+        optimizer.load_own_variables(store)

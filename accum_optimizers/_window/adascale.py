@@ -11,6 +11,7 @@ noisy estimates is biased; AdaScale's authors average theirs the same way.
 import contextlib
 
 import keras
+import numpy as np
 from keras import ops
 
 from accum_optimizers._adascale_schedule import is_adascale
@@ -151,6 +152,16 @@ def learning_rate(optimizer):
                 ops.greater(optimizer.iterations, 0), last_gain, 1.0
             )
     return optimizer._learning_rate.at(step, last_gain)
+
+
+def start_at(window, updates):
+    """Restores a state saved without AdaScale's variables: each update it
+    applied was one step of the base schedule, of gain 1 (`0` before the
+    first)."""
+    window.scale_invariant_step.assign(np.asarray(updates, "float32"))
+    window.scale_invariant_step_error.assign(np.zeros((), "float32"))
+    gain = 1.0 if int(np.asarray(updates)) > 0 else 0.0
+    window.adascale_gain.assign(np.asarray(gain, "float32"))
 
 
 def scale_invariant_step(optimizer):
