@@ -537,7 +537,8 @@ def test_adascale_turned_on_from_a_state_saved_without_it():
         )
         rate = float(to_numpy(base(tau))) * gain
         for i, w in enumerate(weights):
-            weights[i] = w - rate * np.average([g[i] for g in window], 0, weight)
+            mean_gradient = np.average([g[i] for g in window], 0, weight)
+            weights[i] = w - rate * mean_gradient
         tau += gain
         window, weight = [], []
         for variable, w in zip(variables, weights):
@@ -564,3 +565,42 @@ def test_a_state_it_cannot_take_is_refused_naming_adascale():
     optimizer.build(variables)
     with pytest.raises(ValueError, match="momentum.*AdaScale learning rate"):
         optimizer.load_own_variables(store)
+
+
+@pytest.mark.parametrize("mapped_by", ["map", "function"])
+def test_a_multi_optimizer_of_several_refuses_it_by_name(mapped_by):
+    """Each optimizer of a `MultiOptimizer` measures only its own
+    variables, where AdaScale's gain is the model's: `fit` raises, naming
+    both, before anything moves."""
+    x, y = regression_data(1, 16)
+
+    def multi_optimizer():
+        scaled = SGDAccumulate(
+            learning_rate=schedules.adascale(0.1, base_batch_size=4),
+            accum_iters=2,
+            measure_noise_scale=True,
+        )
+        other = SGDAccumulate(0.1, accum_iters=2, measure_noise_scale=True)
+        if mapped_by == "function":
+            return keras.optimizers.MultiOptimizer(
+                lambda v: other if "bias" in v.path else scaled
+            )
+        return keras.optimizers.MultiOptimizer(
+            keras.optimizers.OptimizerMap(scaled, {".*bias": other})
+        )
+
+    model = small_model(1)
+    model.compile(optimizer=multi_optimizer(), loss="mse")
+    with pytest.raises(ValueError, match="MultiOptimizer '.*AdaScale"):
+        model.fit(x, y, batch_size=4, verbose=0)
+    # A custom loop's `apply`: refused before anything is written. (On
+    # JAX, Keras' trainer leaves a model whose traced step raised without
+    # values.)
+    variables = [
+        keras.Variable(np.ones(s, "float32"), name=name)
+        for s, name in zip(SHAPES, ("kernel", "bias"))
+    ]
+    with pytest.raises(ValueError, match="'sgd_accumulate.*adascale"):
+        multi_optimizer().apply([keras.ops.ones(s) for s in SHAPES], variables)
+    for variable in variables:
+        np.testing.assert_array_equal(to_numpy(variable), 1.0)

@@ -39,6 +39,27 @@ def check(optimizer):
         )
 
 
+def check_not_in_multi_optimizer(multi_optimizer):
+    """Raises where an optimizer of `multi_optimizer` (a `MultiOptimizer`
+    of several) has an AdaScale learning rate: AdaScale's gain is the
+    model's, from the noise of the whole gradient, and each inner optimizer
+    measures only its own variables."""
+    inner = multi_optimizer.optimizers
+    scaled = [o for o in inner if uses_adascale(o)]
+    if not scaled or len(inner) < 2:
+        return
+    raise ValueError(
+        f"MultiOptimizer '{multi_optimizer.name}': its optimizer "
+        f"'{scaled[0].name}' has an AdaScale learning rate "
+        f"({scaled[0]._learning_rate!r}). AdaScale's gain is the whole "
+        "model's (from the noise of the whole gradient), and an optimizer "
+        "inside a MultiOptimizer measures only its own variables, so each "
+        "would take a gain of its own. Use `learning_rate=adascale(...)` "
+        "on one optimizer that trains the whole model, or give the "
+        "MultiOptimizer's optimizers other learning rates."
+    )
+
+
 def check_measured(optimizer, measure):
     """Raises where `optimizer` has an AdaScale learning rate and
     `measure` (`measure_noise_scale`) is false."""
