@@ -33,10 +33,12 @@ def adascale(learning_rate, base_batch_size):
     measure_noise_scale=True)`. Each update uses `r * learning_rate(tau)`,
     with `r` in `[1, S]` the gain of a window `S = window weight /
     base_batch_size` times the base batch (from the noise scale's moving
-    averages, `1` before the first estimate) and `tau` the scale-invariant
-    step, which advances by `r` per update (`optimizer.adascale_gain`,
-    `optimizer.scale_invariant_step`). Stop training when `tau` reaches
-    the base schedule's end.
+    averages, `1` before the first estimate, `0` for a window of weight 0)
+    and `tau` the scale-invariant step, which advances by `r` per update
+    (`optimizer.adascale_gain`, `optimizer.scale_invariant_step`). Stop
+    training when `tau` reaches the base schedule's end. A state saved
+    without AdaScale resumes with `tau` = its updates. A `MultiOptimizer`
+    of several optimizers refuses it: its gain is the whole model's.
 
     Args:
         learning_rate: the base run's learning rate: a float, or a
@@ -45,7 +47,9 @@ def adascale(learning_rate, base_batch_size):
         base_batch_size: Number > 0. The base run's batch, in the noise
             scale's unit: its samples (or tokens) when windows are
             weighted (`weigh_micro_batches`, `apply(..., weight=n)`), its
-            micro-batches (`1` for one) when they are not.
+            micro-batches (`1` for one) when they are not; unweighted
+            under `tf.distribute`, replicas' shares of micro-batches (the
+            number of replicas for one global micro-batch).
 
     Returns:
         An `AdaScaleLearningRate`.

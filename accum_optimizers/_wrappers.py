@@ -30,6 +30,8 @@
   the inner optimizers with `skip_nonfinite=True`, so that they skip the
   same micro-batches: each checking its own variables only would let one
   skip a micro-batch another adds, and their windows drift apart;
+- `apply` refuses an inner optimizer with an AdaScale learning rate
+  beside others: AdaScale's gain is the whole model's;
 - `apply` warns, once, of inner optimizers whose windows `by_noise_scale`
   sizes, each from its own variables, or whose windows differ (another
   `accum_iters`, or an optimizer that does not accumulate): no big batch
@@ -61,6 +63,7 @@ from accum_optimizers._validation import validate_gradient
 from accum_optimizers._validation import validate_loss
 from accum_optimizers._validation import validate_weighable
 from accum_optimizers._validation import validate_weight
+from accum_optimizers._window import adascale
 from accum_optimizers._window.restore import pending_restore
 from accum_optimizers._window.step import carrying_partial_writes_note
 from accum_optimizers._window.step import laid_out
@@ -269,6 +272,7 @@ def _install_multi_optimizer():
         unnamed = unnamed_multi_optimizer(self) is not None
         if unnamed and len(grads) and trainable_variables is not None:
             self.build(trainable_variables)  # as Keras' `apply` does first
+        adascale.check_not_in_multi_optimizer(self)
         inner = accumulating(self)
         if held_loss is not None:
             for optimizer in inner:

@@ -109,6 +109,11 @@ class Run:
     # An AdaScale learning rate (SGD, with `noise`): the base batch is one
     # micro-batch (its samples in weighted windows).
     adascale: bool = False
+    # AdaScale turned on at the resume ("keras": `load_weights` of the
+    # `.keras` file; "weights"): the first part trains at the base rate.
+    adascale_from_resume: bool = False
+    # Micro-batches (of the epoch) whose sample weights are all 0.
+    weightless: tuple = ()
     # "dense" (`helpers.small_model`) or "embedding"
     # (`helpers.small_embedding_model`, whose gradient on TensorFlow is an
     # `IndexedSlices`).
@@ -170,6 +175,8 @@ def data(run):
         w = rng.choice([0.5, 1.0, 3.0], size=run.samples)
     else:
         w = rng.choice([0.0, 0.5, 1.0, 3.0], size=run.samples)
+    for j in run.weightless:
+        w[_rows(run, j)] = 0.0
     return x, y, w.astype("float32")
 
 
@@ -280,7 +287,11 @@ def model_gradients(run):
     return small_model_gradients
 
 
-def _compile_ours(run, model):
+def _compile_ours(run, model, adascale=None):
+    """Compiles `model` with the run's optimizer; `adascale`: whether its
+    rate is AdaScale's (the run's, but before a resume that turns it on)."""
+    if adascale is None:
+        adascale = run.adascale and not run.adascale_from_resume
     cls, _, options = _options(run)
     measuring = {}
     if run.noise:
@@ -289,7 +300,7 @@ def _compile_ours(run, model):
             "noise_scale_momentum": run.noise_momentum,
         }
     options.update(measuring)
-    if run.adascale:
+    if adascale:
         options["learning_rate"] = ao_schedules.adascale(
             options["learning_rate"], base_batch_size=adascale_base(run)
         )
@@ -465,10 +476,12 @@ def _resumed(run, model, tmp_path):
     if run.resume == "keras":
         path = os.path.join(tmp_path, "run.keras")
         model.save(path)
-        return with_graph_check(run, keras.models.load_model(path))
-    path = os.path.join(tmp_path, "run.weights.h5")
-    model.save_weights(path)
-    fresh = _compile_ours(run, make_model(run))
+        if not run.adascale_from_resume:
+            return with_graph_check(run, keras.models.load_model(path))
+    else:
+        path = os.path.join(tmp_path, "run.weights.h5")
+        model.save_weights(path)
+    fresh = _compile_ours(run, make_model(run), adascale=run.adascale)
     if run.multi_map == "function":
         # It names its optimizers only once built (docs/saving.md).
         fresh.optimizer.build(fresh.trainable_variables)
@@ -615,7 +628,11 @@ def _train_parent(run):
         counts = [_count(run, w, j) for j in window]
         for oracle in noises:
             oracle.add(model.get_weights(), window, counts)
-        if run.adascale:
+        if run.adascale and (
+            run.adascale_from_resume and window[-1] < run.resume_at
+        ):
+            noise.gains.append(1.0)  # a base step, before AdaScale
+        elif run.adascale:
             gain = noise.adascale_gain(
                 sum(counts) if run.weighted else len(window),
                 adascale_base(run),
@@ -626,7 +643,8 @@ def _train_parent(run):
             [
                 weights[_rows(run, j)]
                 * (
-                    1.0 / sum(counts)
+                    # A window of weight 0: the parent's zero gradient.
+                    (1.0 / sum(counts) if sum(counts) else 0.0)
                     if run.weighted
                     else (1.0 / (len(window) * n) if n else 0.0)
                 )
@@ -772,14 +790,19 @@ class NoiseOracle:
 
     def add(self, weights, window, counts):
         """A window closes: `window` its micro-batch indices, `counts`
-        what their losses are divided by, `weights` the model's."""
+        what their losses are divided by, `weights` the model's. A
+        weighted micro-batch of weight 0 holds no sample: it adds
+        nothing."""
+        if self.run.weighted:
+            kept = [(j, n) for j, n in zip(window, counts) if n > 0]
+            window, counts = [j for j, _ in kept], [n for _, n in kept]
         grads = []
         for j, n in zip(window, counts):
             rows = _rows(self.run, j)
             sample = np.ones(len(rows)) if self.w is None else self.w[rows]
             grads.append(
                 model_gradients(self.run)(
-                    weights, self.x[rows], self.y[rows], sample / n
+                    weights, self.x[rows], self.y[rows], sample / (n or 1.0)
                 )[self.variables]
             )
         micro_weights = counts if self.run.weighted else [1.0] * len(window)
@@ -815,9 +838,12 @@ class NoiseOracle:
     def adascale_gain(self, window_weight, base):
         """AdaScale's gain of a window of `window_weight` closing now, from
         the averages (`1` before the first estimate), as Johnson et al.
-        (2020) define it, clipped to `[1, S]`; recorded in `gains`."""
+        (2020) define it, clipped to `[1, S]`; recorded in `gains`. A
+        window of weight 0 stands for no base step: 0."""
         gain = 1.0
-        if self.weight > 0:
+        if window_weight <= 0:
+            gain = 0.0
+        elif self.weight > 0:
             sq_norm, trace = np.maximum(self.averages / self.weight, 0.0)
             if trace / window_weight + sq_norm > 0:
                 gain = (trace / base + sq_norm) / (

@@ -18,6 +18,10 @@ test recomputes each window's two estimates from those in numpy.
 - `custom_loop`: `strategy.run` in a `tf.function`, unweighted.
 - `multi_optimizer`: the same loop through a `MultiOptimizer` of two
   measuring optimizers.
+- `adascale_unweighted`: the same loop with `SGDAccumulate` and an AdaScale
+  rate whose `base_batch_size` is `REPLICAS` (one global micro-batch:
+  unweighted, each replica's share counts 1), with the weights before and
+  after each window.
 """
 
 import json
@@ -181,7 +185,10 @@ def fit_case():
     }
 
 
-def loop_case(multi):
+ADASCALE_RATE = 0.1
+
+
+def loop_case(multi, adascale=False):
     """`strategy.run` of an unweighted step: each replica's mean MSE over
     its share of 4 samples, divided by the replica count as Keras' losses
     are."""
@@ -207,6 +214,20 @@ def loop_case(multi):
             optimizer = keras.optimizers.MultiOptimizer(
                 keras.optimizers.OptimizerMap(inner[0], {".*bias": inner[1]})
             )
+        elif adascale:
+            # One global micro-batch: `REPLICAS` shares of weight 1.
+            rate = accum_optimizers.schedules.adascale(
+                ADASCALE_RATE, base_batch_size=REPLICAS
+            )
+            inner = [
+                SGDAccumulate(
+                    rate,
+                    accum_iters=LOOP_K,
+                    measure_noise_scale=True,
+                    noise_scale_momentum=MOMENTUM,
+                )
+            ]
+            optimizer = inner[0]
         else:
             inner = [
                 AdamAccumulate(
@@ -268,6 +289,8 @@ def loop_case(multi):
                     for s in shards
                 ],
                 "ours": [read_outs(o) for o in inner],
+                "start": [w.ravel().tolist() for w in start],
+                "end": [w.ravel().tolist() for w in model.get_weights()],
             }
         )
     return {
@@ -285,6 +308,10 @@ def main(out):
         "fit": recorded(fit_case),
         "custom_loop": recorded(lambda: loop_case(multi=False)),
         "multi_optimizer": recorded(lambda: loop_case(multi=True)),
+        "adascale_unweighted": recorded(
+            lambda: loop_case(multi=False, adascale=True)
+        ),
+        "adascale_rate": ADASCALE_RATE,
     }
     Path(out).write_text(json.dumps(results))
 

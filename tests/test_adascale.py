@@ -252,12 +252,19 @@ def test_a_keras_file_saved_mid_window_resumes_exactly(windows, tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_a_state_saved_without_adascale_continues_the_base_schedule():
+@pytest.mark.parametrize("parent_rate", ["schedule", "float"])
+def test_a_state_saved_without_adascale_continues_the_base_schedule(
+    parent_rate,
+):
     """The parent SGD's state (no window) loaded into an AdaScale
-    optimizer: each update it applied was one base step."""
+    optimizer: each update it applied was one base step. A float rate the
+    parent saved is AdaScale's base rate's to replace."""
     variables = [keras.Variable(np.ones(s, "float32")) for s in SHAPES]
     base = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)
-    parent = keras.optimizers.SGD(learning_rate=base, momentum=0.9)
+    parent = keras.optimizers.SGD(
+        learning_rate=base if parent_rate == "schedule" else 0.3,
+        momentum=0.9,
+    )
     parent.build(variables)
     for _ in range(5):
         parent.apply([keras.ops.ones(s) for s in SHAPES], variables)
@@ -272,6 +279,10 @@ def test_a_state_saved_without_adascale_continues_the_base_schedule():
     optimizer.build(variables)
     optimizer.load_own_variables(store)
     assert _value(optimizer.scale_invariant_step) == 5.0
+    assert _value(optimizer.adascale_gain) == 1.0
+    assert _value(optimizer.learning_rate) == pytest.approx(
+        float(to_numpy(base(5.0)))
+    )
 
 
 @pytest.mark.parametrize(
@@ -369,3 +380,227 @@ def test_the_logger_reads_out_the_gain_and_tau(tmp_path):
     scalars = tensorboard_scalars(tmp_path / "train")
     _, written = scalars["accumulation/scale_invariant_step"][-1]
     assert written == pytest.approx(tau)
+
+
+class _ReadOuts(keras.callbacks.Callback):
+    """The noise scale's averages and AdaScale's read-outs after each
+    micro-batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.after = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        optimizer = self.model.optimizer
+        self.after.append(
+            {
+                name: _value(getattr(optimizer, name))
+                for name in (
+                    "gradient_sq_norm",
+                    "gradient_noise_trace",
+                    "adascale_gain",
+                    "scale_invariant_step",
+                )
+            }
+        )
+
+
+def test_a_window_of_weight_0_is_a_step_of_rate_0():
+    """A window whose sample weights are all 0 (`mean_with_sample_weight`)
+    holds no sample: `S = 0`, its gain is 0, `tau` does not move, and its
+    update is the parent's at learning rate 0 (no weight decay; SGD's
+    momentum carries on); the next window's gain is its own. Oracle: the
+    parent SGD on each window's big batch, its rate the base rate times
+    the gain recomputed in numpy from the averages the optimizer reports
+    (0 where the window weighs 0, the documented rule)."""
+    x, y = regression_data(5, 32)
+    sample_weight = np.random.default_rng(5).choice([0.5, 1.0, 3.0], 32)
+    sample_weight[8:16] = 0.0  # the second window: 2 micro-batches of 4
+    sample_weight = sample_weight.astype("float32")
+    micro, base_rate, base_batch = 4, 0.5, 4.0
+    loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
+    options = {"momentum": 0.9, "weight_decay": 0.05}
+    model = small_model(2)
+    optimizer = SGDAccumulate(
+        learning_rate=schedules.adascale(base_rate, base_batch),
+        accum_iters=2,
+        measure_noise_scale=True,
+        noise_scale_momentum=0.5,
+        **options,
+    )
+    model.compile(optimizer=optimizer, loss=loss)
+    weigh_micro_batches(model)
+    read_outs = _ReadOuts()
+    model.fit(
+        x,
+        y,
+        sample_weight=sample_weight,
+        batch_size=micro,
+        shuffle=False,
+        verbose=0,
+        callbacks=[read_outs],
+    )
+    parent = small_model(2)
+    parent_optimizer = keras.optimizers.SGD(base_rate, **options)
+    parent.compile(optimizer=parent_optimizer, loss=loss)
+    tau, gains = 0.0, []
+    for window in range(4):
+        rows = slice(2 * micro * window, 2 * micro * (window + 1))
+        weight = float(sample_weight[rows].sum())
+        after = read_outs.after[2 * window + 1]
+        gain = 0.0
+        if weight > 0:
+            gain = _gain(
+                after["gradient_sq_norm"],
+                after["gradient_noise_trace"],
+                weight,
+                base_batch,
+            )
+        parent_optimizer.learning_rate = base_rate * gain
+        parent.train_on_batch(
+            x[rows], y[rows], sample_weight=sample_weight[rows]
+        )
+        tau += gain
+        gains.append(gain)
+        np.testing.assert_allclose(
+            [after["adascale_gain"], after["scale_invariant_step"]],
+            [gain, tau],
+            rtol=1e-5,
+            err_msg=f"window {window}",
+        )
+    assert gains[1] == 0.0 and min(gains[2:]) > 1.0
+    for a, b in zip(model.get_weights(), parent.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _weighted_micro_batches(optimizer, variables, rng, mean, counts):
+    """Applies a micro-batch of each weight in `counts` (gradients drawn
+    about `mean`); returns their gradients, in float64."""
+    applied = []
+    for n in counts:
+        grads = [m + rng.normal(size=m.shape) / np.sqrt(n) for m in mean]
+        applied.append(grads)
+        optimizer.apply(
+            [keras.ops.convert_to_tensor(g, "float32") for g in grads],
+            variables,
+            weight=float(n),
+        )
+    return applied
+
+
+def test_adascale_turned_on_from_a_state_saved_without_it():
+    """A state saved mid-window by the same optimizer without AdaScale (a
+    float rate: 22 variables against 25 here) loads into an AdaScale one
+    by `load_own_variables`: `tau` is the updates applied, each a base
+    step, the pending micro-batch and the noise scale's averages carry
+    on, and each later update is `base(tau) * r` times the window's mean
+    (numpy, `r` from the averages the optimizer reports)."""
+    rng = np.random.default_rng(7)
+    variables = [
+        keras.Variable(rng.normal(size=s).astype("float32")) for s in SHAPES
+    ]
+    weights = [to_numpy(v).astype("float64") for v in variables]
+    mean = [0.3 * rng.normal(size=s) for s in SHAPES]
+    measuring = {"measure_noise_scale": True, "noise_scale_momentum": 0.5}
+    before = SGDAccumulate(learning_rate=0.1, accum_iters=3, **measuring)
+    before.build(variables)
+    counts = [2.0, 4.0, 7.0] * 2 + [3.0]
+    applied = _weighted_micro_batches(before, variables, rng, mean, counts)
+    for first in (0, 3):
+        for i, w in enumerate(weights):
+            window = [g[i] for g in applied[first : first + 3]]
+            weights[i] = w - 0.1 * np.average(window, 0, counts[first:][:3])
+    store = {}
+    before.save_own_variables(store)
+    base = keras.optimizers.schedules.ExponentialDecay(0.1, 3, 0.5)
+    optimizer = SGDAccumulate(
+        learning_rate=schedules.adascale(base, base_batch_size=2.0),
+        accum_iters=3,
+        **measuring,
+    )
+    optimizer.build(variables)
+    assert len(store) == len(optimizer.variables) - 2  # 3 less, and a rate
+    optimizer.load_own_variables(store)
+    tau = 2.0
+    assert _value(optimizer.scale_invariant_step) == tau
+    assert _value(optimizer.adascale_gain) == 1.0
+    window, weight = [applied[-1]], [counts[-1]]  # the pending one
+    for size in (2, 3):
+        more = list(rng.choice([2.0, 4.0, 7.0], size=size))
+        window += _weighted_micro_batches(optimizer, variables, rng, mean, more)
+        weight += more
+        gain = _gain(
+            _value(optimizer.gradient_sq_norm),
+            _value(optimizer.gradient_noise_trace),
+            float(np.sum(weight)),
+            2.0,
+        )
+        rate = float(to_numpy(base(tau))) * gain
+        for i, w in enumerate(weights):
+            mean_gradient = np.average([g[i] for g in window], 0, weight)
+            weights[i] = w - rate * mean_gradient
+        tau += gain
+        window, weight = [], []
+        for variable, w in zip(variables, weights):
+            np.testing.assert_allclose(to_numpy(variable), w, rtol=2e-5)
+        np.testing.assert_allclose(
+            _value(optimizer.scale_invariant_step), tau, rtol=1e-6
+        )
+    assert gain > 1.5
+
+
+def test_a_state_it_cannot_take_is_refused_naming_adascale():
+    variables = [keras.Variable(np.ones(s, "float32")) for s in SHAPES]
+    saved = SGDAccumulate(0.1, accum_iters=2, measure_noise_scale=True)
+    saved.build(variables)
+    saved.apply([keras.ops.ones(s) for s in SHAPES], variables)
+    store = {}
+    saved.save_own_variables(store)
+    optimizer = SGDAccumulate(
+        learning_rate=schedules.adascale(0.1, base_batch_size=1),
+        momentum=0.9,
+        accum_iters=2,
+        measure_noise_scale=True,
+    )
+    optimizer.build(variables)
+    with pytest.raises(ValueError, match="momentum.*AdaScale learning rate"):
+        optimizer.load_own_variables(store)
+
+
+@pytest.mark.parametrize("mapped_by", ["map", "function"])
+def test_a_multi_optimizer_of_several_refuses_it_by_name(mapped_by):
+    """Each optimizer of a `MultiOptimizer` measures only its own
+    variables, where AdaScale's gain is the model's: `fit` raises, naming
+    both, before anything moves."""
+    x, y = regression_data(1, 16)
+
+    def multi_optimizer():
+        scaled = SGDAccumulate(
+            learning_rate=schedules.adascale(0.1, base_batch_size=4),
+            accum_iters=2,
+            measure_noise_scale=True,
+        )
+        other = SGDAccumulate(0.1, accum_iters=2, measure_noise_scale=True)
+        if mapped_by == "function":
+            return keras.optimizers.MultiOptimizer(
+                lambda v: other if "bias" in v.path else scaled
+            )
+        return keras.optimizers.MultiOptimizer(
+            keras.optimizers.OptimizerMap(scaled, {".*bias": other})
+        )
+
+    model = small_model(1)
+    model.compile(optimizer=multi_optimizer(), loss="mse")
+    with pytest.raises(ValueError, match="MultiOptimizer '.*AdaScale"):
+        model.fit(x, y, batch_size=4, verbose=0)
+    # A custom loop's `apply`: refused before anything is written. (On
+    # JAX, Keras' trainer leaves a model whose traced step raised without
+    # values.)
+    variables = [
+        keras.Variable(np.ones(s, "float32"), name=name)
+        for s, name in zip(SHAPES, ("kernel", "bias"))
+    ]
+    with pytest.raises(ValueError, match="'sgd_accumulate.*adascale"):
+        multi_optimizer().apply([keras.ops.ones(s) for s in SHAPES], variables)
+    for variable in variables:
+        np.testing.assert_array_equal(to_numpy(variable), 1.0)

@@ -132,13 +132,21 @@ def runs(draw):
     run.accum = draw(st.one_of(*accum))
     # AdaScale (for SGD): the oracle's gains from its float64 averages set
     # the parent's learning rate, only where the run's averages are the
-    # oracle's to float32 round-off.
-    adascale = run.noise and run.policy == "float32" and not run.multi
+    # oracle's to float32 round-off. Under a `MultiOptimizer`, refused.
+    adascale = run.noise and run.policy == "float32"
     if adascale and draw(st.booleans()):
         run.optimizer = "sgd"
         run.adascale = True
     if run.sample_weight and draw(st.booleans()):
         run.reduction = "mean_with_sample_weight"
+    if run.adascale and not run.multi and draw(st.booleans()):
+        # Micro-batches whose sample weights are all 0, in a row: windows
+        # of weight 0 (AdaScale's gain 0, a step at rate 0) among them.
+        run.weighted = run.sample_weight = True
+        run.reduction = "mean_with_sample_weight"
+        first = draw(st.integers(0, micro_batches - 2))
+        last = min(first + draw(st.integers(2, 4)), micro_batches)
+        run.weightless = tuple(range(first, last))
     run.skip = draw(st.booleans())
     if run.skip or run.loss_scaled:
         run.bad = tuple(
@@ -153,6 +161,9 @@ def runs(draw):
     if resume is not None:
         run.resume = resume
         run.resume_at = draw(st.integers(1, micro_batches - 1))
+        if run.adascale and not run.multi and resume != "continue":
+            # AdaScale turned on from a state saved without it.
+            run.adascale_from_resume = draw(st.booleans())
         if isinstance(run.accum, int) and draw(st.booleans()):
             # A file loaded with accum_iters=1 into an optimizer without a
             # window refuses a pending window and restarts the counts (with
@@ -234,6 +245,12 @@ def check(run, tmp_path, holes=True):
         return
     if _raises_accum_iters_built_without_window(run):
         with pytest.raises(ValueError, match="built with accum_iters=1"):
+            train_ours(run, tmp_path)
+        return
+    if run.multi and run.adascale:
+        # AdaScale's gain is the model's; each inner optimizer measures
+        # its own variables.
+        with pytest.raises(ValueError, match="MultiOptimizer '.*AdaScale"):
             train_ours(run, tmp_path)
         return
     if _refuses_a_pending_window_too_long(run):
@@ -558,3 +575,66 @@ def test_adascale_by_the_noise_scale_resumed_from_a_keras_file(tmp_path):
     )
     ours, _ = check(run, tmp_path)
     assert ours["noise"]["adascale_gain"] > 1.0
+
+
+@pytest.mark.parametrize("resume", ["keras", "weights"])
+def test_adascale_turned_on_at_a_resume_mid_window(resume, tmp_path):
+    # A state saved without AdaScale (a float rate) mid-window, loaded
+    # into an AdaScale optimizer (the `.keras` file by `load_weights`):
+    # it was refused, naming amsgrad and momentum; `tau` starts at the
+    # updates applied, and each later window's rate is the oracle's gain
+    # times the base rate.
+    run = Run(
+        optimizer="sgd",
+        accum=3,
+        micro_batch=3,
+        samples=27,
+        weighted=True,
+        resume=resume,
+        resume_at=7,
+        noise=True,
+        noise_momentum=0.5,
+        adascale=True,
+        adascale_from_resume=True,
+    )
+    ours, parent = check(run, tmp_path)
+    assert ours["noise"]["scale_invariant_step"] > parent["iterations"]
+
+
+def test_adascale_with_windows_of_weight_0(tmp_path):
+    # Micro-batches 2 to 4 weigh 0: the second window weighs 0 (gain 0,
+    # tau unmoved, its step at rate 0: weight decay shrank the weights by
+    # 1 - 0.05 * 0.1 there), and the third's gain counts only its
+    # last micro-batch's samples.
+    run = Run(
+        optimizer="sgd",
+        weight_decay=0.05,
+        accum=2,
+        micro_batch=3,
+        samples=24,
+        weighted=True,
+        sample_weight=True,
+        reduction="mean_with_sample_weight",
+        weightless=(2, 3, 4),
+        noise=True,
+        noise_momentum=0.5,
+        adascale=True,
+    )
+    _, parent = check(run, tmp_path)
+    assert parent["noise"][0].gains[1] == 0.0
+
+
+def test_adascale_in_a_multi_optimizer_is_refused(tmp_path):
+    # Its optimizers each took a gain from their own variables (two taus,
+    # 18.31 and 18.04 after 8 updates), where AdaScale's is the model's.
+    run = Run(
+        optimizer="sgd",
+        accum=2,
+        samples=8,
+        micro_batch=2,
+        noise=True,
+        adascale=True,
+        multi=True,
+        multi_map="function",
+    )
+    check(run, tmp_path)

@@ -176,3 +176,33 @@ def test_multi_optimizer_inner_optimizers_measure_their_own_variables(
             lambda w, inner=inner: w["ours"][inner],
             variables,
         )
+
+
+def test_unweighted_adascale_counts_a_replica_s_share_as_its_unit(measured):
+    """Unweighted, AdaScale's unit is the noise scale's: a replica's share
+    of a micro-batch. `base_batch_size=2` (the replicas) is one global
+    micro-batch, so windows of 2 micro-steps are `S = 2`: each window's
+    gain, from its read-out averages with `S` = its shares (4) / 2, is
+    numpy's, and each update moves the weights by `rate * gain` times the
+    mean of its shares' gradients (numpy, from a plain model)."""
+    result = measured["adascale_unweighted"]
+    assert "error" not in result, result["error"]
+    windows = result["windows"]
+    replicas = measured["replicas"]
+    assert [len(w["shares"]) for w in windows] == [2 * replicas] * 2
+    _assert_windows_match(windows, measured["momentum"], lambda w: w["ours"][0])
+    _assert_adascale_gains(
+        [{**w, "ours": w["ours"][0]} for w in windows], base=replicas
+    )
+    gains = [w["ours"][0]["adascale_gain"] for w in windows]
+    assert 1.0 <= min(gains) and max(gains) <= 2.0  # S = 2, not 4
+    for window, gain in zip(windows, gains):
+        grads = [g for _, g in window["shares"]]
+        mean = [np.mean([g[i] for g in grads], 0) for i in range(len(grads[0]))]
+        for start, end, grad in zip(window["start"], window["end"], mean):
+            np.testing.assert_allclose(
+                end,
+                np.asarray(start) - measured["adascale_rate"] * gain * grad,
+                rtol=1e-5,
+                atol=1e-6,
+            )

@@ -8,7 +8,10 @@ are unbiased but noisy (its `|G|^2` is often negative), and a ratio of
 noisy estimates is biased; AdaScale's authors average theirs the same way.
 """
 
+import contextlib
+
 import keras
+import numpy as np
 from keras import ops
 
 from accum_optimizers._adascale_schedule import is_adascale
@@ -34,6 +37,27 @@ def check(optimizer):
             f"{type(optimizer).__name__}(learning_rate="
             f"{optimizer._learning_rate!r})"
         )
+
+
+def check_not_in_multi_optimizer(multi_optimizer):
+    """Raises where an optimizer of `multi_optimizer` (a `MultiOptimizer`
+    of several) has an AdaScale learning rate: AdaScale's gain is the
+    model's, from the noise of the whole gradient, and each inner optimizer
+    measures only its own variables."""
+    inner = multi_optimizer.optimizers
+    scaled = [o for o in inner if uses_adascale(o)]
+    if not scaled or len(inner) < 2:
+        return
+    raise ValueError(
+        f"MultiOptimizer '{multi_optimizer.name}': its optimizer "
+        f"'{scaled[0].name}' has an AdaScale learning rate "
+        f"({scaled[0]._learning_rate!r}). AdaScale's gain is the whole "
+        "model's (from the noise of the whole gradient), and an optimizer "
+        "inside a MultiOptimizer measures only its own variables, so each "
+        "would take a gain of its own. Use `learning_rate=adascale(...)` "
+        "on one optimizer that trains the whole model, or give the "
+        "MultiOptimizer's optimizers other learning rates."
+    )
 
 
 def check_measured(optimizer, measure):
@@ -72,7 +96,9 @@ def gain(sq_norm, trace, window_weight, base_batch_size):
     1 and `S = window_weight / base_batch_size`; `1` without an estimate.
 
     A negative average counts 0: `|G|^2 <= 0` is the noise dominating
-    (`r = S`), `tr(Sigma) <= 0` the gradient (`r = 1`)."""
+    (`r = S`), `tr(Sigma) <= 0` the gradient (`r = 1`). A window of weight
+    0 holds no sample: `S = 0`, and it stands for no base step (`r = 0`),
+    with or without an estimate."""
     scale = ops.divide(window_weight, float(base_batch_size))
     sq_norm = ops.maximum(sq_norm, 0.0)
     trace = ops.maximum(trace, 0.0)
@@ -83,7 +109,8 @@ def gain(sq_norm, trace, window_weight, base_batch_size):
     )
     ratio = ops.divide(numerator, ops.where(known, denominator, 1.0))
     ratio = ops.where(known, ratio, 1.0)
-    return ops.clip(ratio, ops.minimum(scale, 1.0), ops.maximum(scale, 1.0))
+    ratio = ops.clip(ratio, ops.minimum(scale, 1.0), ops.maximum(scale, 1.0))
+    return ops.where(ops.greater(window_weight, 0.0), ratio, 0.0)
 
 
 def close(optimizer, sq_norm, trace, window_weight):
@@ -108,6 +135,22 @@ def advance(optimizer):
     )
 
 
+@contextlib.contextmanager
+def applying(optimizer):
+    """While the close applies the parent's update: its learning rate takes
+    the window's gain as it is (`0` for a window of weight 0, the first
+    included), not the rate between windows."""
+    window = optimizer._window
+    if not uses_adascale(optimizer):
+        yield
+        return
+    window.closing = True
+    try:
+        yield
+    finally:
+        window.closing = False
+
+
 def learning_rate(optimizer):
     """The learning rate of the update being applied: the gain times the
     base rate at the scale-invariant step (between windows, the last
@@ -124,8 +167,22 @@ def learning_rate(optimizer):
     else:
         step = scale_invariant_step(optimizer)
         last_gain = window.adascale_gain.value
-        last_gain = ops.where(ops.greater(last_gain, 0.0), last_gain, 1.0)
+        if not window.closing:
+            # Between windows before the first update, a base step's rate.
+            last_gain = ops.where(
+                ops.greater(optimizer.iterations, 0), last_gain, 1.0
+            )
     return optimizer._learning_rate.at(step, last_gain)
+
+
+def start_at(window, updates):
+    """Restores a state saved without AdaScale's variables: each update it
+    applied was one step of the base schedule, of gain 1 (`0` before the
+    first)."""
+    window.scale_invariant_step.assign(np.asarray(updates, "float32"))
+    window.scale_invariant_step_error.assign(np.zeros((), "float32"))
+    gain = 1.0 if int(np.asarray(updates)) > 0 else 0.0
+    window.adascale_gain.assign(np.asarray(gain, "float32"))
 
 
 def scale_invariant_step(optimizer):

@@ -97,11 +97,12 @@ def close_window(optimizer, present=None):
     for i in updated:
         if i not in grads:
             grads[i] = window.sums[i].value  # a window's maximum
-    optimizer._apply_window_mean(
-        [_cast(grads[i], variables[i].dtype) for i in updated],
-        [variables[i] for i in updated],
-        masks,
-    )
+    with adascale.applying(optimizer):
+        optimizer._apply_window_mean(
+            [_cast(grads[i], variables[i].dtype) for i in updated],
+            [variables[i] for i in updated],
+            masks,
+        )
     # After the update, whose learning rate is that of the samples seen
     # before the window. The close divides by the replicas' mean total
     # weight; a weighted window counts each replica's samples: their sum.

@@ -10,6 +10,7 @@ from keras import ops
 
 from accum_optimizers import schedules
 from accum_optimizers._validation import concrete_value
+from accum_optimizers._window import adascale
 from accum_optimizers._window.counts import window_size
 from accum_optimizers._window.noise import saved_noise_key
 from accum_optimizers._window.spec import window_state
@@ -103,18 +104,11 @@ def restore(optimizer, values):
     if optimizer._window.scale_invariant_step is not None and (
         len(values) != layout.total
     ):
-        _start_adascale_at(optimizer._window, parent[0])
+        # Saved without AdaScale (by the parent, or with another rate).
+        adascale.start_at(optimizer._window, parent[0])
     # The saved run's refused micro-batches were its `fit`'s to report.
     skipped = concrete_value(optimizer._window.skipped.value)
     optimizer._refused_reported = int(skipped or 0)
-
-
-def _start_adascale_at(window, updates):
-    """A state saved without AdaScale's variables: each update it applied
-    was one step of the base schedule."""
-    window.scale_invariant_step.assign(np.asarray(updates, "float32"))
-    window.scale_invariant_step_error.assign(np.zeros((), "float32"))
-    window.adascale_gain.assign(np.zeros((), "float32"))
 
 
 def _saved_window_size(optimizer, parent, window):
@@ -152,7 +146,8 @@ def plan_restore(values, layout, window_size_at, describe):
       the same configuration saved before training (`unbuilt` variables,
       with `iterations` 0), a window saved by 0.1.0, a window saved
       without the noise scale's variables (by `measure_noise_scale=False`,
-      or before they existed) when this optimizer measures it.
+      or before they existed) when this optimizer measures it, or without
+      AdaScale's (and a float learning rate) when its rate is AdaScale's.
 
     Args:
         values: the saved arrays, in order.
@@ -170,13 +165,38 @@ def plan_restore(values, layout, window_size_at, describe):
 def _split(values, layout, describe):
     """`(parent, window)` of saved `values` laid out as one of the states
     `plan_restore` accepts, or raises."""
+    split = _split_as_saved(values, layout, describe)
+    if split is None and _saved_learning_rate(values, layout):
+        # A float rate, saved beside `iterations`: AdaScale's replaces it.
+        split = _split_as_saved([values[0], *values[2:]], layout, describe)
+    if split is not None:
+        return split
+    adascale = ""
+    if any(variable.adascale for variable in layout.state):
+        adascale = (
+            " With an AdaScale learning rate it also takes the state of "
+            "the same optimizer and configuration saved without AdaScale "
+            "(`learning_rate` a float or a schedule), or the parent's."
+        )
+    raise ValueError(
+        f"Cannot restore the state of optimizer {describe}: the "
+        f"checkpoint holds {len(values)} optimizer variables, this "
+        f"optimizer has {layout.total}. The checkpoint was saved with a "
+        "different optimizer or configuration (amsgrad, momentum, "
+        "centered, use_ema, measure_noise_scale, an AdaScale learning "
+        "rate, or a learning-rate schedule instead of a float); rebuild "
+        f"the optimizer with the saved configuration.{adascale}"
+    )
+
+
+def _split_as_saved(values, layout, describe):
+    """`_split`, or `None` where `values` match no accepted layout."""
     count = len(values)
     if count == layout.parent:
         return values, None
     if count == layout.total:
         return values[: layout.parent], values[layout.parent :]
     state = layout.state
-    noise = sum(variable.noise_scale for variable in state)
     if (
         layout.has_window
         and count == layout.total - _absent_from_0_1_0(state)
@@ -185,9 +205,17 @@ def _split(values, layout, describe):
     ):
         window = _window_of_0_1_0(values[layout.parent :], layout.sums, state)
         return values[: layout.parent], window
-    if noise and count == layout.total - noise:
-        window = _window_without_noise(values[layout.parent :], state)
-        return values[: layout.parent], window
+    # Saved without the noise scale's variables (`measure_noise_scale=False`
+    # or before they existed), or without AdaScale's, or both.
+    for absent in (
+        lambda variable: variable.adascale,
+        lambda variable: variable.noise_scale,
+        lambda variable: variable.noise_scale or variable.adascale,
+    ):
+        missing = sum(1 for variable in state if absent(variable))
+        if missing and count == layout.total - missing:
+            window = _window_without(values[layout.parent :], state, absent)
+            return values[: layout.parent], window
     if count == layout.unbuilt:
         if int(np.asarray(values[0])) != 0:
             raise ValueError(
@@ -202,14 +230,17 @@ def _split(values, layout, describe):
         return values, None
     if not layout.has_window and _is_window_of(values, layout.parent, state):
         return values[: layout.parent], values[layout.parent :]
-    raise ValueError(
-        f"Cannot restore the state of optimizer {describe}: the "
-        f"checkpoint holds {count} optimizer variables, this optimizer "
-        f"has {layout.total}. The checkpoint was saved with a different "
-        "optimizer or configuration (amsgrad, momentum, centered, "
-        "use_ema, measure_noise_scale, or a learning-rate schedule "
-        "instead of a float); "
-        "rebuild the optimizer with the saved configuration."
+    return None
+
+
+def _saved_learning_rate(values, layout):
+    """Whether `values` may hold a float learning rate after `iterations`,
+    which an optimizer with an AdaScale learning rate (a schedule) lacks."""
+    return (
+        any(variable.adascale for variable in layout.state)
+        and len(values) > 1
+        and np.shape(values[1]) == ()
+        and np.asarray(values[1]).dtype.kind == "f"
     )
 
 
@@ -252,16 +283,18 @@ def _absent_from_0_1_0(state):
     return sum(v.name not in _SAVED_BY_0_1_0 for v in state)
 
 
-def _window_without_noise(window, state):
-    """A window saved without the noise scale's variables (this layout
-    before they existed, or `measure_noise_scale=False`) in `state`'s
-    layout: nothing measured yet. A pending window's first micro-batches
-    were not measured: its count is NaN, so that it gives no estimate."""
+def _window_without(window, state, absent):
+    """A window saved without the variables of `state` that `absent`
+    picks (the noise scale's: this layout before they existed, or
+    `measure_noise_scale=False`; AdaScale's) in `state`'s layout: nothing
+    measured yet. A pending window's first micro-batches were not measured
+    where the noise scale's are absent: its count is NaN, so that it gives
+    no estimate."""
     pending = int(np.asarray(window[0])) > 0
     saved = iter(window)
     upgraded = []
     for variable in state:
-        if not variable.noise_scale:
+        if not absent(variable):
             upgraded.append(next(saved))
         elif variable.name == "noise_micro_batches" and pending:
             upgraded.append(np.asarray(np.nan, variable.dtype))

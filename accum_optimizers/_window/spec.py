@@ -143,6 +143,10 @@ class Window:
     adascale_gain: object = None
     scale_invariant_step: object = None
     scale_invariant_step_error: object = None
+    # Whether the close is applying the parent's update (a Python fact,
+    # while the close runs or is traced): AdaScale's rate then takes the
+    # window's gain as it is (`adascale.applying`).
+    closing: bool = False
 
     @property
     def measures_noise(self):
