@@ -41,7 +41,14 @@ from fuzz_runs import train_ours
 from fuzz_runs import train_ours_to_memory
 from fuzz_runs import train_parent
 from fuzz_runs import train_parent_to_memory
+from helpers import PARENTS
 from helpers import assert_all_close
+from helpers import assert_same_weights
+from helpers import fit_in_order
+from helpers import noise_estimates
+from helpers import regression_data
+from helpers import small_model
+from helpers import small_model_gradients
 from helpers import to_numpy
 from hypothesis import assume
 from hypothesis import given
@@ -558,3 +565,65 @@ def test_adascale_by_the_noise_scale_resumed_from_a_keras_file(tmp_path):
     )
     ours, _ = check(run, tmp_path)
     assert ours["noise"]["adascale_gain"] > 1.0
+
+
+# torch.compile traces each drawn model for tens of seconds: one example in
+# CI, the profile's share beyond it.
+COMPILED_EXAMPLES = max(1, EXAMPLES // 10)
+
+
+@pytest.mark.backends("torch")
+@settings(max_examples=COMPILED_EXAMPLES)
+@given(
+    cls=st.sampled_from(sorted(PARENTS, key=lambda cls: cls.__name__)),
+    k=st.integers(2, 3),
+    clipnorm=st.sampled_from([None, 0.5]),
+    skip_nonfinite=st.booleans(),
+)
+def test_a_drawn_torch_compile_fit_compiles_nothing_after_its_first_windows(
+    cls, k, clipnorm, skip_nonfinite
+):
+    # torch.compile guarded on the noise estimates' values (read on the
+    # host in the traced step) and compiled the close again at every window
+    # up to its recompile limit. After two windows (each branch of the
+    # window seen) the next ones must compile nothing, and the run end
+    # where the parent on the big batches ends, measuring what it measures.
+    from torch._dynamo.utils import counters
+
+    batch, warm, windows = 4, 2, 5
+    big = k * batch
+    x, y = regression_data(3, windows * big)
+    options = dict(learning_rate=0.05, clipnorm=clipnorm)
+    model = small_model(0)
+    ours = cls(
+        accum_iters=k,
+        measure_noise_scale=True,
+        noise_scale_momentum=0.0,
+        skip_nonfinite=skip_nonfinite,
+        **options,
+    )
+    model.compile(optimizer=ours, loss="mse", jit_compile=True)
+    fit_in_order(model, x[: warm * big], y[: warm * big], batch_size=batch)
+    graphs = counters["stats"]["unique_graphs"]
+    fit_in_order(model, x[warm * big :], y[warm * big :], batch_size=batch)
+    assert counters["stats"]["unique_graphs"] == graphs, "compiled again"
+
+    parent = small_model(0)
+    parent.compile(optimizer=PARENTS[cls](**options), loss="mse")
+    last = (windows - 1) * big
+    fit_in_order(parent, x[:last], y[:last], batch_size=big)
+    start = parent.get_weights()  # the last window's starting weights
+    fit_in_order(parent, x[last:], y[last:], batch_size=big)
+    assert_same_weights(model, parent)
+    gradients = [
+        small_model_gradients(
+            start, x[j : j + batch], y[j : j + batch], [1.0 / batch] * batch
+        )
+        for j in range(last, windows * big, batch)
+    ]
+    expected = noise_estimates(gradients, [1.0] * k)
+    actual = [
+        float(to_numpy(ours.window_gradient_sq_norm)),
+        float(to_numpy(ours.window_noise_trace)),
+    ]
+    np.testing.assert_allclose(actual, expected, rtol=2e-4, atol=1e-4)
