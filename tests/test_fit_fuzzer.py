@@ -57,6 +57,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from test_fit_to_memory import Injector
 
+from accum_optimizers import SGDAccumulate
+
 BACKEND = keras.backend.backend()
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 # FUZZ_EXAMPLES overrides the profile's count for a local hunt.
@@ -272,6 +274,76 @@ def check(run, tmp_path, holes=True):
     if run.noise:
         assert_same_noise(run, ours, parent)
     return ours, parent
+
+
+# The runs that pinned the last two holes (commit 23b1ae3), each checked in
+# full. The first resumed with twice the gradients: run eagerly, the first
+# step after a weights-only load scaled its loss by the LossScaleOptimizer's
+# initial scale (not yet built, so not yet restored) and `apply`, which
+# builds and restores it, unscaled by the saved scale, half the initial one
+# after the dropped micro-batch (fixed in `_wrappers._saved_scale`). The
+# second was the oracle's: the flushed window is one sample the model
+# nearly fits, whose squared error moves by a large share with each
+# bfloat16 unit of the prediction (`fuzz_runs._loss_atol`).
+
+
+@pytest.mark.backends("tensorflow")
+def test_an_eager_weights_resume_after_a_dropped_step_continues(tmp_path):
+    run = Run(
+        optimizer="sgd",
+        accum={0: 2, 2: 3},
+        micro_batch=4,
+        samples=17,
+        weighted=True,
+        flush=True,
+        bad=(0,),
+        policy="mixed_float16",
+        resume="weights",
+        resume_at=4,
+        jit_compile=False,
+        run_eagerly=True,
+        noise=True,
+        noise_momentum=0.0,
+    )
+    check(run, tmp_path, holes=False)
+
+
+@pytest.mark.backends("tensorflow")
+def test_the_window_loss_of_a_clipped_bfloat16_flush_under_xla(tmp_path):
+    run = Run(
+        optimizer="sgd",
+        clipnorm=0.5,
+        accum=4,
+        micro_batch=2,
+        samples=17,
+        flush=True,
+        policy="mixed_bfloat16",
+        jit_compile=True,
+    )
+    check(run, tmp_path, holes=False)
+
+
+@pytest.mark.backends("tensorflow")
+def test_a_clipped_bfloat16_flush_s_window_loss_is_keras_own_under_xla():
+    # The cause of the second: the flushed window's loss is the loss Keras'
+    # own model computes under XLA in bfloat16 at the window's starting
+    # weights, bit for bit; the parent's differs from it by the bfloat16
+    # units of its own prediction, at its own weights.
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    x, y, _ = data(Run(samples=17))
+    model = make_model()
+    ours = SGDAccumulate(0.1, momentum=0.9, clipnorm=0.5, accum_iters=4)
+    model.compile(optimizer=ours, loss="mse", jit_compile=True)
+    model.fit(x[:16], y[:16], batch_size=2, shuffle=False, verbose=0)
+    start = model.get_weights()
+    with pytest.warns(UserWarning, match="pending"):
+        model.fit(x[16:], y[16:], batch_size=2, shuffle=False, verbose=0)
+    ours.flush()
+    keras_own = make_model()
+    keras_own.set_weights(start)
+    keras_own.compile(loss="mse", jit_compile=True)
+    expected = keras_own.evaluate(x[16:], y[16:], verbose=0)
+    assert float(to_numpy(ours.window_loss)) == np.float32(expected)
 
 
 @pytest.mark.parametrize(
