@@ -133,9 +133,7 @@ def _multi_optimizer():
     )
 
 
-def _train_with_fault(
-    point, at, mode, make_error, multi=False, callbacks=()
-):
+def _train_with_fault(point, at, mode, make_error, multi=False, callbacks=()):
     fault = Fault(make_error, at=at)
     model = model_with(
         forward=fault if point == "forward" else None,
