@@ -144,9 +144,12 @@ def validate_decay(decay):
 
 def concrete_value(value):
     """`value` as a numpy array, or `None` while it is being traced (a
-    symbolic TensorFlow tensor, a JAX tracer)."""
+    symbolic TensorFlow tensor, a JAX tracer, a tensor under
+    torch.compile)."""
     if isinstance(value, (numbers.Number, np.ndarray, np.generic)):
         return np.asarray(value)
+    if _keras_private.torch_compiling():
+        return None
     host = _keras_private.torch_host_value(value)
     if host is not None:
         return host

@@ -235,8 +235,6 @@ def _parent_without(bad, x, y, batch, k, sample_weight=None):
 
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_fit_skips_a_micro_batch_with_a_nan_loss(jit_compile):
-    if BACKEND == "torch" and jit_compile:
-        pytest.skip("torch's jit_compile is torch.compile")
     batch, bad = 4, (1, 6)
     x, y = _fit_data(bad, batch, 12)
     model = small_model(0)

@@ -217,6 +217,14 @@ def in_tf_graph():
     return in_graph()
 
 
+def torch_compiling():
+    """Whether torch.compile is tracing (`jit_compile=True` on torch),
+    where a tensor's value read on the host would be a graph break, and
+    every branch on it a guard that recompiles the step when it changes."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.compiler.is_compiling()
+
+
 def torch_host_value(value):
     """`value` as a numpy array where it is a torch tensor numpy holds, in
     one copy to the host (eager torch has no graph: it always has a
