@@ -25,7 +25,6 @@ from accum_optimizers._keras_private import versions as _keras_versions  # noqa:
 # Before anything else touches Keras: a clear error for an unsupported one.
 _keras_versions.check_keras_version()
 
-from accum_optimizers import _wrappers  # noqa: E402
 from accum_optimizers import optimizers as _optimizers  # noqa: E402
 from accum_optimizers.callbacks import AccumulationLogger  # noqa: E402
 from accum_optimizers.callbacks import FlushAccumulation  # noqa: E402
@@ -50,9 +49,6 @@ from accum_optimizers.optimizers import SGDAccumulate  # noqa: E402
 from accum_optimizers.optimizers import accumulating  # noqa: E402
 from accum_optimizers.saving import load_training_state  # noqa: E402
 from accum_optimizers.weighting import weigh_micro_batches  # noqa: E402
-
-# `LossScaleOptimizer` and `MultiOptimizer` around accumulating optimizers.
-_wrappers.install()
 
 # One class per optimizer the installed Keras ships: those above, and
 # `ScheduleFreeAdamWAccumulate` (Keras >= 3.14) or any optimizer a newer Keras

@@ -24,6 +24,7 @@ from accum_optimizers import _backend
 from accum_optimizers import _inputs
 from accum_optimizers import _keras_private
 from accum_optimizers import schedules
+from accum_optimizers._autograph import unconverted
 from accum_optimizers._batch_norm_windows import warn_of_other_windows
 from accum_optimizers._parent_args import bind_parent_arguments
 from accum_optimizers._window import adascale
@@ -100,9 +101,13 @@ class GradientAccumulation:
         # under their seen bit (`_apply_window_mean`).
         self._update_masks = {}
 
+    @unconverted
     def build(self, variables):
         if self.built:
             return
+        # On TensorFlow, a `LossScaleOptimizer` around a `MultiOptimizer`
+        # sets nothing on the inner optimizers: it meets them here.
+        _meet_wrappers()
         unbuilt = len(self.variables)
         super().build(variables)
         parent = len(self.variables)
@@ -133,6 +138,15 @@ class GradientAccumulation:
             accum_iters = schedule
         _args.check_settable_accum_iters(self, accum_iters)
         self._accum_iters = accum_iters
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        # Keras' wrappers set it as they take an inner optimizer (to the
+        # value it may already hold, which TensorFlow's tracking then does
+        # not store): where they meet an accumulating one, that wrapper
+        # instance cooperates with it.
+        if name == "loss_scale_factor":
+            _meet_wrappers()
 
     @property
     def measure_noise_scale(self):
@@ -165,6 +179,7 @@ class GradientAccumulation:
             or schedules.keyed_on_samples(self._learning_rate)
         )
 
+    @unconverted
     def apply(self, grads, trainable_variables=None, *, weight=None, loss=None):
         """Adds a micro-batch's gradients to the window; updates the
         weights on the window's last micro-batch.
@@ -274,6 +289,7 @@ class GradientAccumulation:
             return super()._all_reduce_sum_gradients(grads_and_vars)
         return grads_and_vars
 
+    @unconverted
     def apply_gradients(self, grads_and_vars, *, weight=None, loss=None):
         """`apply` on `(gradient, variable)` pairs; see `apply` for
         `weight` and `loss`. Returns `iterations`, the number of applied
@@ -282,6 +298,7 @@ class GradientAccumulation:
         self.apply(grads, trainable_variables, weight=weight, loss=loss)
         return self._iterations
 
+    @unconverted
     def stateless_apply(
         self,
         optimizer_variables,
@@ -304,6 +321,7 @@ class GradientAccumulation:
         finally:
             _inputs.discard(self)  # left over only if it raised early
 
+    @unconverted
     def flush(self):
         """Applies the pending partial window, if any, and starts a new one.
 
@@ -316,6 +334,7 @@ class GradientAccumulation:
         """
         close.flush(self)
 
+    @unconverted
     def scale_loss(self, loss):
         # `fit` calls this on the micro-batch's loss before differentiating
         # it: multiplying the loss by the micro-batch's weight weighs its
@@ -339,6 +358,7 @@ class GradientAccumulation:
             ops.add(1.0, ops.multiply(self.decay, updates)),
         )
 
+    @unconverted
     def finalize_variable_values(self, var_list):
         # `fit` calls this once, at the end of training. The flag is this
         # `fit`'s alone, also where the check below raises.
@@ -479,3 +499,12 @@ if GradientAccumulation.__doc__:  # None under `python -OO`
             "\n", "\n    "
         )
     )
+
+
+def _meet_wrappers():
+    """Has the Keras wrappers taking the calling optimizer cooperate with
+    it (`_wrappers.cooperate`)."""
+    from accum_optimizers import _wrappers
+
+    for wrapper in _keras_private.wrappers_taking_an_optimizer():
+        _wrappers.cooperate(wrapper)

@@ -120,10 +120,17 @@ def accumulating_optimizers_of_model(model):
     `MultiOptimizer` mapped by a function: that one names its optimizers
     only once built, which TensorFlow does in the first traced step, after
     the callbacks' `on_train_begin`."""
+    from accum_optimizers import _wrappers
+
     optimizer = model.optimizer
     if unnamed_multi_optimizer(optimizer) is not None and model.built:
         optimizer.build(model.trainable_variables)
-    return accumulating_optimizers(optimizer)
+    accumulating = accumulating_optimizers(optimizer)
+    if accumulating:
+        # The wrappers it met (`_wrappers.cooperate`), and on TensorFlow a
+        # `LossScaleOptimizer` around a `MultiOptimizer`, met only here.
+        _wrappers.cooperate_through(optimizer)
+    return accumulating
 
 
 def unknown_optimizers_hint(optimizer):

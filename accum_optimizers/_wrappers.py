@@ -1,6 +1,11 @@
 """Keras' optimizer wrappers around accumulating optimizers.
 
-`install()` (run once, by the package's import) patches:
+Importing the package changes nothing in Keras. A wrapper instance that
+meets an accumulating optimizer (Keras' wrappers set the inner optimizers'
+`loss_scale_factor` as they take them: `LossScaleOptimizer()`, which
+`compile` adds under `mixed_float16`; `MultiOptimizer()` with an
+`OptimizerMap`, or its `build` with a function) gets, from `cooperate`,
+methods of its own, set on that instance only, around its class' methods:
 
 `keras.optimizers.LossScaleOptimizer` (which `compile` adds under the
 `mixed_float16` policy):
@@ -37,10 +42,11 @@
   `accum_iters`, or an optimizer that does not accumulate): no big batch
   updates a model that way.
 
-Any other optimizer behaves as Keras wrote it. The patches hand the
-accumulating optimizers their values through `_inputs`.
+Every other instance, and every class, is as Keras wrote it. These methods
+hand the accumulating optimizers their values through `_inputs`.
 """
 
+import types
 import warnings
 import weakref
 
@@ -51,6 +57,7 @@ from accum_optimizers import _backend
 from accum_optimizers import _inputs
 from accum_optimizers import _keras_private
 from accum_optimizers._accumulation import GradientAccumulation
+from accum_optimizers._autograph import unconverted
 from accum_optimizers._backend import outside_compiled_code
 from accum_optimizers._inner import accumulating_optimizers
 from accum_optimizers._inner import count_updates_in_multi_optimizer
@@ -69,9 +76,6 @@ from accum_optimizers._window.step import carrying_partial_writes_note
 from accum_optimizers._window.step import laid_out
 from accum_optimizers._window.step import note_loss
 
-# The Keras classes `install` patched (a second `install` leaves them be).
-_PATCHED = set()
-
 # The `MultiOptimizer`s `_warn_of_windows_apart` warned of; held weakly.
 _WARNED_WINDOWS_APART = weakref.WeakSet()
 
@@ -85,22 +89,41 @@ def is_accumulating_class(optimizer):
     return isinstance(optimizer, GradientAccumulation)
 
 
-def install():
-    """Patches `LossScaleOptimizer` and `MultiOptimizer` (once)."""
-    _install_loss_scale()
-    _install_multi_optimizer()
-
-
-def _install_loss_scale():
-    cls = keras.optimizers.LossScaleOptimizer
-    if cls in _PATCHED:
+def cooperate(wrapper):
+    """Gives the Keras wrapper instance `wrapper` (a `LossScaleOptimizer` or
+    `MultiOptimizer`) the cooperation the module's docstring lists: its own
+    methods, set on the instance, around its class' (left as Keras wrote
+    it). Once per instance; called when it meets an accumulating optimizer
+    (`GradientAccumulation.loss_scale_factor`)."""
+    if wrapper.__dict__.get("_accum_cooperating"):
         return
-    cls.apply = _weighing(cls.apply)
-    cls.stateless_apply = _weighing(cls.stateless_apply)
-    cls.scale_loss = _noting_scale_loss(cls.scale_loss)
-    cls.load_own_variables = _deferring_load(cls.load_own_variables)
-    cls.build = _restoring_build(cls.build)
-    _PATCHED.add(cls)
+    cls = type(wrapper)
+    if isinstance(wrapper, keras.optimizers.LossScaleOptimizer):
+        methods = {
+            "apply": _weighing(cls.apply),
+            "stateless_apply": _weighing(cls.stateless_apply),
+            "scale_loss": _noting_scale_loss(cls.scale_loss),
+            "load_own_variables": _deferring_load(cls.load_own_variables),
+            "build": _restoring_build(cls.build),
+        }
+    else:
+        methods = {
+            "apply": _agreeing_apply(cls.apply),
+            "scale_loss": _noting_multi_scale_loss(cls.scale_loss),
+        }
+    # Into `__dict__`: an attribute of the instance, not one Keras' tracking
+    # (`__setattr__`) looks at.
+    for name, method in methods.items():
+        wrapper.__dict__[name] = types.MethodType(unconverted(method), wrapper)
+    wrapper.__dict__["_accum_cooperating"] = True
+
+
+def cooperate_through(optimizer):
+    """`cooperate` with each wrapper `optimizer` is or holds (a
+    `LossScaleOptimizer`, a `MultiOptimizer`), outermost first."""
+    while isinstance(optimizer, _keras_private.wrapper_optimizer_classes()):
+        cooperate(optimizer)
+        optimizer = getattr(optimizer, "inner_optimizer", None)
 
 
 def _weighing(method):
@@ -249,22 +272,28 @@ def _saved_scale(optimizer):
     return float(saved[index])
 
 
-def _install_multi_optimizer():
-    cls = getattr(keras.optimizers, "MultiOptimizer", None)
-    if cls is None or cls in _PATCHED:
-        return
-    scale_loss, apply = cls.scale_loss, cls.apply
+def _accumulating_with_window(multi_optimizer):
+    return [
+        optimizer
+        for optimizer in multi_optimizer.optimizers
+        if is_accumulating_class(optimizer) and optimizer._has_window
+    ]
 
-    def accumulating(multi_optimizer):
-        return [
-            optimizer
-            for optimizer in multi_optimizer.optimizers
-            if is_accumulating_class(optimizer) and optimizer._has_window
-        ]
+
+def _noting_multi_scale_loss(scale_loss):
+    """`MultiOptimizer.scale_loss` that notes the loss for its inner
+    accumulating optimizers' `window_loss`."""
 
     def noting_scale_loss(self, loss):
         _note_loss_through(self, loss)
         return scale_loss(self, loss)
+
+    return noting_scale_loss
+
+
+def _agreeing_apply(apply):
+    """`MultiOptimizer.apply` whose inner optimizers agree: see the module's
+    docstring."""
 
     def agreeing_apply(self, grads, trainable_variables=None):
         # The loss `scale_loss` held while the optimizers were unnamed.
@@ -273,7 +302,7 @@ def _install_multi_optimizer():
         if unnamed and len(grads) and trainable_variables is not None:
             self.build(trainable_variables)  # as Keras' `apply` does first
         adascale.check_not_in_multi_optimizer(self)
-        inner = accumulating(self)
+        inner = _accumulating_with_window(self)
         if held_loss is not None:
             for optimizer in inner:
                 _inputs.put_loss(optimizer, held_loss)
@@ -297,9 +326,7 @@ def _install_multi_optimizer():
         return result
 
     agreeing_apply.__doc__ = apply.__doc__
-    cls.scale_loss = noting_scale_loss
-    cls.apply = agreeing_apply
-    _PATCHED.add(cls)
+    return agreeing_apply
 
 
 def _warn_of_windows_apart(multi, accumulating):

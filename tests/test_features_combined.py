@@ -658,5 +658,6 @@ def test_loss_scale_optimizer_refuses_a_bad_weight_naming_it():
     )
     plain = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
     plain.build(variables)
-    with pytest.raises(TypeError, match="inner_optimizer=.*SGD"):
+    # Keras' own class, which the package leaves as it is.
+    with pytest.raises(TypeError, match="weight"):
         plain.apply(grads, variables, weight=2.0)

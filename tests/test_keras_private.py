@@ -638,3 +638,38 @@ def test_loss_scale_build_adds_its_step_counter_then_its_scale():
     saved = [np.asarray(store[str(i)]) for i in range(len(store))]
     assert len(saved) == len(own) + len(wrapper.inner_optimizer.variables)
     assert float(saved[len(own) - 1]) == 8.0
+
+
+def test_wrappers_taking_an_optimizer_are_those_setting_its_scale_factor():
+    # Keras' wrappers set an inner optimizer's `loss_scale_factor` as they
+    # take it (`LossScaleOptimizer()`; `MultiOptimizer()` with a map, its
+    # `build` with a function, its setter): where they meet an accumulating
+    # optimizer, the package has that wrapper instance cooperate.
+    met = []
+
+    class Meeting(keras.optimizers.SGD):
+        def __setattr__(self, name, value):
+            super().__setattr__(name, value)
+            if name == "loss_scale_factor":
+                met.append(_keras_private.wrappers_taking_an_optimizer())
+
+    version = f"Keras {keras.__version__}"
+    inner = Meeting()
+    assert met[-1] == [], version  # its own constructor
+    scale = keras.optimizers.LossScaleOptimizer(inner)
+    assert met[-1] == [scale], version
+    if not hasattr(keras.optimizers, "MultiOptimizer"):
+        return
+    mapped = Meeting()
+    multi = keras.optimizers.MultiOptimizer(
+        keras.optimizers.OptimizerMap(mapped)
+    )
+    assert met[-1] == [multi], version
+    multi.loss_scale_factor = 4.0  # not the value it holds: TF sets it
+    assert met[-1] == [multi], version
+    selected = Meeting()
+    by_function = keras.optimizers.MultiOptimizer(lambda v: selected)
+    outer = keras.optimizers.LossScaleOptimizer(by_function)
+    count = len(met)
+    outer.build([keras.Variable([1.0])])  # builds `by_function`
+    assert met[count:] == [[by_function, outer]], version

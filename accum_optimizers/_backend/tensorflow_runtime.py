@@ -93,28 +93,6 @@ def quiet_python_logger():
     tf.get_logger().setLevel("ERROR")
 
 
-def _leave_package_unconverted():
-    """Has AutoGraph call the package's functions as written, as it calls
-    Keras' (its `DoNotConvert("keras")` rule).
-
-    A user's `tf.function` around a custom training loop converts what it
-    calls: our methods would run rewritten there but not in `fit` (whose
-    step AutoGraph never converts), and the rewriting fails, warning to
-    report a bug, on a method whose body is only its docstring. TensorFlow
-    has no public API for a library's rule: its own tests add one to
-    `CONVERSION_RULES` so.
-    """
-    try:
-        from tensorflow.python.autograph.core import config
-    except ImportError:  # moved: the package still works, converted
-        return
-    rule = config.DoNotConvert(__name__.split(".")[0])
-    if not any(str(r) == str(rule) for r in config.CONVERSION_RULES):
-        config.CONVERSION_RULES = (rule, *config.CONVERSION_RULES)
-
-
-_leave_package_unconverted()
-
 # What this backend has nothing to give for.
 compiled_peak = runtime_defaults.compiled_peak
 random_state = runtime_defaults.random_state

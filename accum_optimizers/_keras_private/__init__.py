@@ -41,15 +41,18 @@ Behaviour of Keras' optimizers and trainers:
 - `MultiOptimizer` (`optimizers`, `apply`, `scale_loss`; `_var_to_optimizer_idx`
   and `_var_key`, which inner optimizer `apply` hands each gradient to:
   `multi_optimizer_groups`) and `LossScaleOptimizer` (`inner_optimizer`,
-  `apply`, `stateless_apply`, `scale_loss`) are patched by `_wrappers.py`.
+  `apply`, `stateless_apply`, `scale_loss`): an instance that takes an
+  accumulating optimizer cooperates with it (`_wrappers.py`), met where
+  their methods set its `loss_scale_factor` (`wrappers_taking_an_optimizer`:
+  `LossScaleOptimizer.__init__`, `build`; `MultiOptimizer.__init__`,
+  `build`, its `loss_scale_factor` setter), the only time a wrapper hands
+  an inner optimizer anything before training.
 
 `keras.Variable._layout`: a variable's `keras.distribution` layout, which
 the window's sums copy (`variable_layout`).
 
 Backend internals: TensorFlow's `control_flow_util.GraphOrParentsInXlaContext`
-and `tf.__internal__.distribute.strategy_supports_no_merge_call`; AutoGraph's
-`CONVERSION_RULES` (`tensorflow_runtime.py` adds the package's
-`DoNotConvert` rule, as TensorFlow's own tests add theirs);
+and `tf.__internal__.distribute.strategy_supports_no_merge_call`;
 `jax.core.Tracer` (`is_jax_tracer`); torch's in-place `_foreach_*`
 functions (`TORCH_FOREACH_FUNCTIONS`).
 
@@ -68,6 +71,7 @@ The trainer side, in `training.py`: the loss internals of
 (`compiled_loss_weights`).
 """
 
+import inspect
 import sys
 
 import keras
@@ -270,6 +274,45 @@ def jax_train_step_loss():
         if frame.f_code is train_step:
             return frame.f_locals.get("unscaled_loss")
     return None
+
+
+def wrappers_taking_an_optimizer():
+    """The Keras optimizer wrappers in the calling frames that are taking an
+    inner optimizer, outermost last: the frames of the wrapper methods that
+    set its `loss_scale_factor` (`LossScaleOptimizer.__init__` and `build`;
+    `MultiOptimizer.__init__`, `build` and its `loss_scale_factor`
+    setter), read from the caller's setter of `loss_scale_factor`."""
+    codes = _wrapper_codes()
+    wrappers = []
+    frame = sys._getframe(1)
+    for _ in range(_WRAPPER_DEPTH):
+        frame = frame.f_back
+        if frame is None:
+            break
+        if frame.f_code in codes:
+            wrapper = frame.f_locals.get("self")
+            if wrapper is not None and wrapper not in wrappers:
+                wrappers.append(wrapper)
+    return wrappers
+
+
+def _wrapper_codes():
+    """The code objects of the wrapper methods `wrappers_taking_an_optimizer`
+    looks for."""
+    loss_scale = keras.optimizers.LossScaleOptimizer
+    methods = [loss_scale.__init__, loss_scale.build]
+    multi = getattr(keras.optimizers, "MultiOptimizer", None)
+    if multi is not None:
+        methods += [multi.__init__, multi.build, multi.loss_scale_factor.fset]
+    # `build` of `LossScaleOptimizer` is wrapped by Keras' tracking
+    # decorator: its code is the wrapped function's.
+    return {inspect.unwrap(method).__code__ for method in methods}
+
+
+# From a `loss_scale_factor` setter up through Keras' `__setattr__` (and
+# TensorFlow's tracking) to a `LossScaleOptimizer` around a
+# `MultiOptimizer` setting it.
+_WRAPPER_DEPTH = 16
 
 
 # The optimizer's `apply` runs some calls below `train_step`
