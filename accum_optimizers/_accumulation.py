@@ -503,8 +503,7 @@ if GradientAccumulation.__doc__:  # None under `python -OO`
 
 def _meet_wrappers():
     """Has the Keras wrappers taking the calling optimizer cooperate with
-    it (`_wrappers.cooperate`)."""
+    it (`_wrappers.meet_wrappers`)."""
     from accum_optimizers import _wrappers
 
-    for wrapper in _keras_private.wrappers_taking_an_optimizer():
-        _wrappers.cooperate(wrapper)
+    _wrappers.meet_wrappers()

@@ -116,6 +116,15 @@ def cooperate(wrapper):
     for name, method in methods.items():
         wrapper.__dict__[name] = types.MethodType(unconverted(method), wrapper)
     wrapper.__dict__["_accum_cooperating"] = True
+    if not isinstance(wrapper, keras.optimizers.LossScaleOptimizer):
+        _keras_private.on_tensorflow_tracking(wrapper, meet_wrappers)
+
+
+def meet_wrappers(optimizer=None):
+    """`cooperate` with the Keras wrappers taking an optimizer in the
+    calling frames (`wrappers_taking_an_optimizer`)."""
+    for wrapper in _keras_private.wrappers_taking_an_optimizer():
+        cooperate(wrapper)
 
 
 def cooperate_through(optimizer):

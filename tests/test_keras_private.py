@@ -673,3 +673,21 @@ def test_wrappers_taking_an_optimizer_are_those_setting_its_scale_factor():
     count = len(met)
     outer.build([keras.Variable([1.0])])  # builds `by_function`
     assert met[count:] == [[by_function, outer]], version
+
+
+@pytest.mark.backends("tensorflow")
+def test_tensorflow_tracking_initializes_the_optimizer_a_loss_scale_takes():
+    # TensorFlow's `__setattr__` skips a `loss_scale_factor` set to the
+    # value an optimizer holds: a `MultiOptimizer` meets the loss scale
+    # that takes it where TensorFlow's tracking initializes it.
+    met = []
+    multi = keras.optimizers.MultiOptimizer(
+        keras.optimizers.OptimizerMap(keras.optimizers.SGD())
+    )
+    _keras_private.on_tensorflow_tracking(
+        multi,
+        lambda _: met.append(_keras_private.wrappers_taking_an_optimizer()),
+    )
+    scale = keras.optimizers.LossScaleOptimizer(multi)
+    assert [scale] in met, f"Keras {keras.__version__}"
+    assert scale.inner_optimizer is multi

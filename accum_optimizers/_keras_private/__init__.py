@@ -46,7 +46,9 @@ Behaviour of Keras' optimizers and trainers:
   their methods set its `loss_scale_factor` (`wrappers_taking_an_optimizer`:
   `LossScaleOptimizer.__init__`, `build`; `MultiOptimizer.__init__`,
   `build`, its `loss_scale_factor` setter), the only time a wrapper hands
-  an inner optimizer anything before training.
+  an inner optimizer anything before training; on TensorFlow, a
+  `MultiOptimizer` meets the `LossScaleOptimizer` that tracks it
+  (`on_tensorflow_tracking`: TensorFlow's `_maybe_initialize_trackable`).
 
 `keras.Variable._layout`: a variable's `keras.distribution` layout, which
 the window's sums copy (`variable_layout`).
@@ -73,6 +75,7 @@ The trainer side, in `training.py`: the loss internals of
 
 import inspect
 import sys
+import types
 
 import keras
 
@@ -307,6 +310,31 @@ def _wrapper_codes():
     # `build` of `LossScaleOptimizer` is wrapped by Keras' tracking
     # decorator: its code is the wrapped function's.
     return {inspect.unwrap(method).__code__ for method in methods}
+
+
+def on_tensorflow_tracking(obj, meet):
+    """On TensorFlow, has `meet(obj)` run wherever another object starts
+    tracking `obj` (elsewhere, nothing).
+
+    TensorFlow's `Trackable._track_trackable` calls the tracked object's
+    `_maybe_initialize_trackable()`: here a method of that instance only,
+    which calls its class' first. `LossScaleOptimizer.__init__` tracks a
+    `MultiOptimizer` so, and then sets its `loss_scale_factor`, which
+    TensorFlow's `__setattr__` skips where the value is unchanged.
+    """
+    if keras.backend.backend() != "tensorflow":
+        return
+    obj.__dict__["_maybe_initialize_trackable"] = types.MethodType(
+        _initializing(meet), obj
+    )
+
+
+def _initializing(meet):
+    def initialize(self):
+        type(self)._maybe_initialize_trackable(self)
+        meet(self)
+
+    return initialize
 
 
 # From a `loss_scale_factor` setter up through Keras' `__setattr__` (and
