@@ -691,3 +691,32 @@ def test_tensorflow_tracking_initializes_the_optimizer_a_loss_scale_takes():
     scale = keras.optimizers.LossScaleOptimizer(multi)
     assert [scale] in met, f"Keras {keras.__version__}"
     assert scale.inner_optimizer is multi
+
+
+@pytest.mark.backends("tensorflow")
+def test_tensorflow_train_step_loss_is_the_loss_scale_loss_returned():
+    # The TensorFlow train step's `self` and `loss` (what its optimizer's
+    # `scale_loss` returned), read from the optimizer's `apply`.
+    found = []
+
+    class Reading(keras.optimizers.SGD):
+        def scale_loss(self, loss):
+            return loss * 4.0
+
+        def apply(self, grads, trainable_variables=None):
+            found.append(_keras_private.tensorflow_train_step_loss())
+            return super().apply(grads, trainable_variables)
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(
+        optimizer=Reading(learning_rate=0.0), loss="mse", run_eagerly=True
+    )
+    x = np.arange(8, dtype="float32").reshape(4, 2)
+    y = np.ones((4, 1), "float32")
+    history = model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    version = f"Keras {keras.__version__}"
+    assert len(found) == 1 and found[0] is not None, version
+    assert found[0][0] is model, version
+    loss = float(keras.ops.convert_to_numpy(found[0][1]))
+    np.testing.assert_allclose(loss, 4.0 * history.history["loss"][0], 1e-6)
+    assert _keras_private.tensorflow_train_step_loss() is None  # outside

@@ -56,16 +56,14 @@ wrapper.build(variables)
 wrapper.scale_loss(keras.ops.ones(()))
 if keras.backend.backend() != "jax":  # stateless only on JAX
     wrapper.apply(grads, variables, weight=2.0)
-multi = keras.optimizers.MultiOptimizer(
-    keras.optimizers.OptimizerMap(accum_optimizers.AdamAccumulate(accum_iters=2))
-)
+adam = accum_optimizers.AdamAccumulate(accum_iters=2)
+multi = keras.optimizers.MultiOptimizer(keras.optimizers.OptimizerMap(adam))
 multi.apply(grads, variables)
 after = snapshot()
 changed = sorted(
     f"{name}.{attribute}"
-    for key in set(before) | set(after)
-    for name, attribute in [key]
-    if before.get(key, before) is not after.get(key, after)
+    for name, attribute in before.keys() | after.keys()
+    if before.get((name, attribute)) is not after.get((name, attribute))
 )
 print(json.dumps({
     "classes": len(keras_classes()),

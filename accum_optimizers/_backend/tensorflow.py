@@ -31,6 +31,7 @@ fresh buffer).
 import contextlib
 import functools
 
+import keras
 import tensorflow as tf
 
 from accum_optimizers import _keras_private
@@ -260,6 +261,24 @@ def replica_count(optimizer):
     return optimizer._distribution_strategy.num_replicas_in_sync
 
 
+def train_step_loss():
+    # Only a Keras wrapper met inside its first step (a `MultiOptimizer`
+    # mapped by a function names its optimizers there) scaled `fit`'s loss
+    # without handing it on: its value, unscaled as that `scale_loss` did.
+    found = _keras_private.tensorflow_train_step_loss()
+    if found is None:
+        return None
+    model, loss = found
+    optimizer = getattr(model, "optimizer", None)
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        scale = optimizer.initial_scale  # it was unbuilt: built in this step
+    elif _keras_private.is_multi_optimizer(optimizer):
+        scale = optimizer.loss_scale_factor
+    else:
+        return None
+    return loss if scale is None else tf.divide(loss, scale)
+
+
 def zero_weight_allowed():
     # A replica whose shard of the micro-batch is empty weighs 0.
     replica_context = tf.distribute.get_replica_context()
@@ -270,7 +289,6 @@ def zero_weight_allowed():
 
 assign = base.assign
 kept_loss = base.kept_loss
-train_step_loss = base.train_step_loss
 
 
 def _after(grads):

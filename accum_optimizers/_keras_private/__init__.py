@@ -37,7 +37,10 @@ Behaviour of Keras' optimizers and trainers:
   (`weigh_micro_batches` hands the weight from one to the other, and the
   optimizer the loss, for `window_loss`). On JAX `scale_loss` runs inside
   `jax.value_and_grad`: the loss is read from the train step's local
-  `unscaled_loss` instead (`jax_train_step_loss`).
+  `unscaled_loss` instead (`jax_train_step_loss`). On TensorFlow, where a
+  wrapper met inside the step (a `MultiOptimizer` mapped by a function)
+  handed no loss on: the step's `loss`, unscaled
+  (`tensorflow_train_step_loss`).
 - `MultiOptimizer` (`optimizers`, `apply`, `scale_loss`; `_var_to_optimizer_idx`
   and `_var_key`, which inner optimizer `apply` hands each gradient to:
   `multi_optimizer_groups`) and `LossScaleOptimizer` (`inner_optimizer`,
@@ -73,9 +76,7 @@ The trainer side, in `training.py`: the loss internals of
 (`compiled_loss_weights`).
 """
 
-import inspect
 import sys
-import types
 
 import keras
 
@@ -255,100 +256,6 @@ def is_jax_tracer(value):
     return isinstance(value, jax.core.Tracer)
 
 
-def jax_train_step_loss():
-    """The unscaled loss of the micro-batch whose gradients Keras' JAX
-    `train_step` is applying, or `None` when the caller is not that train
-    step.
-
-    Keras' JAX trainer computes the loss inside `jax.value_and_grad` and
-    hands the optimizer only the gradients: the loss is the train step's
-    local `unscaled_loss`, read here from the calling frames.
-    """
-    from keras.src.backend.jax import trainer
-
-    # `JAXTrainer` through Keras 3.15, `Trainer` in keras-nightly 3.16.
-    trainer_class = getattr(trainer, "JAXTrainer", None) or trainer.Trainer
-    train_step = trainer_class.train_step.__code__
-    frame = sys._getframe(1)
-    for _ in range(_JAX_TRAIN_STEP_DEPTH):
-        frame = frame.f_back
-        if frame is None:
-            return None
-        if frame.f_code is train_step:
-            return frame.f_locals.get("unscaled_loss")
-    return None
-
-
-def wrappers_taking_an_optimizer():
-    """The Keras optimizer wrappers in the calling frames that are taking an
-    inner optimizer, outermost last: the frames of the wrapper methods that
-    set its `loss_scale_factor` (`LossScaleOptimizer.__init__` and `build`;
-    `MultiOptimizer.__init__`, `build` and its `loss_scale_factor`
-    setter), read from the caller's setter of `loss_scale_factor`."""
-    codes = _wrapper_codes()
-    wrappers = []
-    frame = sys._getframe(1)
-    for _ in range(_WRAPPER_DEPTH):
-        frame = frame.f_back
-        if frame is None:
-            break
-        if frame.f_code in codes:
-            wrapper = frame.f_locals.get("self")
-            if wrapper is not None and wrapper not in wrappers:
-                wrappers.append(wrapper)
-    return wrappers
-
-
-def _wrapper_codes():
-    """The code objects of the wrapper methods `wrappers_taking_an_optimizer`
-    looks for."""
-    loss_scale = keras.optimizers.LossScaleOptimizer
-    methods = [loss_scale.__init__, loss_scale.build]
-    multi = getattr(keras.optimizers, "MultiOptimizer", None)
-    if multi is not None:
-        methods += [multi.__init__, multi.build, multi.loss_scale_factor.fset]
-    # `build` of `LossScaleOptimizer` is wrapped by Keras' tracking
-    # decorator: its code is the wrapped function's.
-    return {inspect.unwrap(method).__code__ for method in methods}
-
-
-def on_tensorflow_tracking(obj, meet):
-    """On TensorFlow, has `meet(obj)` run wherever another object starts
-    tracking `obj` (elsewhere, nothing).
-
-    TensorFlow's `Trackable._track_trackable` calls the tracked object's
-    `_maybe_initialize_trackable()`: here a method of that instance only,
-    which calls its class' first. `LossScaleOptimizer.__init__` tracks a
-    `MultiOptimizer` so, and then sets its `loss_scale_factor`, which
-    TensorFlow's `__setattr__` skips where the value is unchanged.
-    """
-    if keras.backend.backend() != "tensorflow":
-        return
-    obj.__dict__["_maybe_initialize_trackable"] = types.MethodType(
-        _initializing(meet), obj
-    )
-
-
-def _initializing(meet):
-    def initialize(self):
-        type(self)._maybe_initialize_trackable(self)
-        meet(self)
-
-    return initialize
-
-
-# From a `loss_scale_factor` setter up through Keras' `__setattr__` (and
-# TensorFlow's tracking) to a `LossScaleOptimizer` around a
-# `MultiOptimizer` setting it.
-_WRAPPER_DEPTH = 16
-
-
-# The optimizer's `apply` runs some calls below `train_step`
-# (`stateless_apply`, a `LossScaleOptimizer` whose `lax.cond` adds JAX's
-# own tracing frames, a `MultiOptimizer`); the walk runs once per trace.
-_JAX_TRAIN_STEP_DEPTH = 80
-
-
 # torch's in-place multi-tensor kernels, which Keras' fused torch optimizers
 # use too: one call for every variable instead of a loop.
 TORCH_FOREACH_FUNCTIONS = (
@@ -465,3 +372,13 @@ global_seed_generator_state = _training.global_seed_generator_state
 restore_global_seed_generator = _training.restore_global_seed_generator
 is_functional = _training.is_functional
 compiled_loss_weights = _training.compiled_loss_weights
+
+# What the package reads from the calling frames (a train step's loss, the
+# wrappers taking an optimizer) is in `frames.py`; its names are this
+# module's too.
+from accum_optimizers._keras_private import frames as _frames  # noqa: E402
+
+jax_train_step_loss = _frames.jax_train_step_loss
+tensorflow_train_step_loss = _frames.tensorflow_train_step_loss
+wrappers_taking_an_optimizer = _frames.wrappers_taking_an_optimizer
+on_tensorflow_tracking = _frames.on_tensorflow_tracking
