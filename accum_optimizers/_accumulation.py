@@ -107,7 +107,7 @@ class GradientAccumulation:
             return
         # On TensorFlow, a `LossScaleOptimizer` around a `MultiOptimizer`
         # sets nothing on the inner optimizers: it meets them here.
-        _meet_wrappers()
+        _meet_wrappers(building=True)
         unbuilt = len(self.variables)
         super().build(variables)
         parent = len(self.variables)
@@ -501,9 +501,9 @@ if GradientAccumulation.__doc__:  # None under `python -OO`
     )
 
 
-def _meet_wrappers():
+def _meet_wrappers(building=False):
     """Has the Keras wrappers taking the calling optimizer cooperate with
     it (`_wrappers.meet_wrappers`)."""
     from accum_optimizers import _wrappers
 
-    _wrappers.meet_wrappers()
+    _wrappers.meet_wrappers(building)

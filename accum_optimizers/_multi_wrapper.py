@@ -104,6 +104,14 @@ def agreeing_apply(apply):
     return agreeing_apply
 
 
+def refuse_at_build(multi):
+    """The refusals of `agreeing_apply` that need no call's arguments, run
+    where `multi` builds its optimizers too: mapped by a function, it meets
+    them only there, inside its first `apply`, which runs as Keras wrote
+    it."""
+    adascale.check_not_in_multi_optimizer(multi)
+
+
 def _warn_of_windows_apart(multi, accumulating):
     """Warns once per `MultiOptimizer` whose optimizers may close their
     windows at different micro-batches, where the big batch updates the

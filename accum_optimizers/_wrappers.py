@@ -61,6 +61,7 @@ from accum_optimizers._multi_wrapper import agreeing_apply
 from accum_optimizers._multi_wrapper import is_accumulating_class
 from accum_optimizers._multi_wrapper import note_loss_through
 from accum_optimizers._multi_wrapper import noting_multi_scale_loss
+from accum_optimizers._multi_wrapper import refuse_at_build
 from accum_optimizers._window.restore import pending_restore
 from accum_optimizers._window.step import carrying_partial_writes_note
 
@@ -100,11 +101,14 @@ def cooperate(wrapper):
         _keras_private.on_tensorflow_tracking(wrapper, meet_wrappers)
 
 
-def meet_wrappers(optimizer=None):
+def meet_wrappers(building=False):
     """`cooperate` with the Keras wrappers taking an optimizer in the
-    calling frames (`wrappers_taking_an_optimizer`)."""
+    calling frames (`wrappers_taking_an_optimizer`); `building`: from the
+    optimizer's `build`, where a `MultiOptimizer` has named every one."""
     for wrapper in _keras_private.wrappers_taking_an_optimizer():
         cooperate(wrapper)
+        if building and _keras_private.is_multi_optimizer(wrapper):
+            refuse_at_build(wrapper)
 
 
 def cooperate_through(optimizer):
