@@ -21,6 +21,7 @@ from keras import ops
 
 from accum_optimizers import _args
 from accum_optimizers import _backend
+from accum_optimizers import _fit_scope
 from accum_optimizers import _inputs
 from accum_optimizers import _keras_private
 from accum_optimizers import schedules
@@ -67,12 +68,12 @@ class GradientAccumulation:
             window when training ends; `fit`'s end then leaves the window
             to it instead of warning that one is pending.
             `FlushAccumulation(at_train_end=True)` sets it for the length
-            of `fit`, as `EarlyStopping` sets `model.stop_training`.
+            of `fit`, as `EarlyStopping` sets `model.stop_training`: it
+            reads `False` once that `fit` has ended, by an exception too.
             Defaults to `False`.
     """
 
     parent_class = _ParentClass()
-    flush_at_train_end = False
 
     def __init__(self, *args, **kwargs):
         accumulation = _args.checked(
@@ -159,6 +160,16 @@ class GradientAccumulation:
         _args.check_settable_measure_noise_scale(self, measure)
         adascale.check_measured(self, measure)
         self._accum_measure_noise_scale = measure
+
+    @property
+    def flush_at_train_end(self):
+        """Whether something flushes the pending window when training
+        ends (see the class docstring)."""
+        return _fit_scope.read(self)
+
+    @flush_at_train_end.setter
+    def flush_at_train_end(self, value):
+        _fit_scope.set_by_hand(self, value)
 
     @property
     def _accum_schedule(self):
@@ -362,7 +373,8 @@ class GradientAccumulation:
     def finalize_variable_values(self, var_list):
         # `fit` calls this once, at the end of training. The flag is this
         # `fit`'s alone, also where the check below raises.
-        flushed, self.flush_at_train_end = self.flush_at_train_end, False
+        flushed = self.flush_at_train_end
+        _fit_scope.clear(self)
         if self._has_window and self.built:
             close.check_end_of_fit(self, flushed)
         super().finalize_variable_values(var_list)

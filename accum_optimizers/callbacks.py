@@ -7,6 +7,7 @@ from typing import Optional
 import keras
 from keras.saving import register_keras_serializable
 
+from accum_optimizers import _fit_scope
 from accum_optimizers import _keras_private
 from accum_optimizers._inner import accumulating_of_model
 from accum_optimizers._inner import accumulating_optimizers
@@ -48,7 +49,8 @@ class FlushAccumulation(keras.callbacks.Callback):
             stopped early with a window pending. While it trains, the
             optimizers' `flush_at_train_end` is `True`: the end of `fit`
             leaves the window to this callback instead of warning that one
-            is pending. Defaults to `True`.
+            is pending. A `fit` that raises leaves it `False`.
+            Defaults to `True`.
     """
 
     def __init__(
@@ -85,7 +87,7 @@ class FlushAccumulation(keras.callbacks.Callback):
             # The optimizer's end-of-`fit` warning about a pending window
             # is for runs without this callback.
             for optimizer in optimizers:
-                optimizer.flush_at_train_end = True
+                _fit_scope.set_for_this_fit(optimizer)
         self._epoch_flush_due = False
         self._evaluating = 0
         self._hook_epoch_end()

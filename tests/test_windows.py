@@ -229,6 +229,37 @@ def test_flush_at_train_end_stands_while_flush_accumulation_trains():
     assert int(keras.ops.convert_to_numpy(optimizer.micro_steps)) == 3
 
 
+def test_a_fit_that_raises_leaves_flush_at_train_end_unset():
+    # TensorFlow and torch call no `on_train_end` for a `fit` that raises
+    # (JAX's `finally` ends it through `finalize_variable_values`).
+    x, y = regression_data(3, 7 * B)
+    model = small_model(3)
+    optimizer = SGDAccumulate(accum_iters=K)
+    model.compile(optimizer=optimizer, loss="mse")
+
+    def fail(batch, logs):
+        if batch == 1:  # mid-window, mid-epoch
+            raise RuntimeError("stop here")
+
+    with pytest.raises(RuntimeError, match="stop here"):
+        model.fit(
+            x,
+            y,
+            batch_size=B,
+            shuffle=False,
+            verbose=0,
+            callbacks=[
+                FlushAccumulation(),
+                keras.callbacks.LambdaCallback(on_train_batch_end=fail),
+            ],
+        )
+    assert optimizer.flush_at_train_end is False
+    # A training end of one's own (a custom loop) warns of the window the
+    # failed `fit` left pending: nothing flushes it.
+    with pytest.warns(UserWarning, match="2 micro-batches"):
+        optimizer.finalize_variable_values(model.trainable_variables)
+
+
 @pytest.mark.parametrize("samples, callbacks", [(8 * B, []), (7 * B, None)])
 def test_no_pending_window_warning_when_nothing_is_left(samples, callbacks):
     x, y = regression_data(3, samples)
