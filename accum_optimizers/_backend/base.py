@@ -152,8 +152,15 @@ def scaled(grad, weight, dtype):
 
 def keep_maximum(total, grad, step):
     """float8 scale variables (`overwrite_with_gradient`): the window keeps
-    the maximum of its "gradients", as the big batch computes."""
+    the maximum of its "gradients", as the big batch computes. A window
+    that opens without one starts from `-inf`: its maximum is that of the
+    gradients it gets (one it gets none of is not updated)."""
     if grad is None:
+        lowest = ops.full(total.shape, float("-inf"), total.dtype)
+        if not isinstance(step.opens, bool):
+            total.assign(ops.where(step.opens, lowest, total.value))
+        elif step.opens:
+            total.assign(lowest)
         return
     grad = ops.cast(grad, total.dtype)
     kept = ops.where(step.opens, grad, ops.maximum(total.value, grad))

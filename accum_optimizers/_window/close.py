@@ -61,7 +61,7 @@ def close_window(optimizer, present=None):
         # Eagerly the scalar math below is Python's: each `keras.ops`
         # call on a tensor is a dispatch or more.
         total_weight = float(known_weight)
-    updated, masks = _updated(seen, summed, present)
+    updated, masks = _updated(seen, range(len(variables)), present)
     # The big batch of a model whose layer was frozen mid-window does not
     # reach it either.
     updated = [i for i in updated if variables[i].trainable]
@@ -96,7 +96,14 @@ def close_window(optimizer, present=None):
     grads = dict(zip(averaged, means))
     for i in updated:
         if i not in grads:
-            grads[i] = window.sums[i].value  # a window's maximum
+            # A float8 scale (`overwrite_with_gradient`): the window's
+            # maximum. The parent overwrites it before any update step
+            # reads a mask, so compiled code selects here: its own value
+            # where the window had none of its gradient.
+            grads[i] = window.sums[i].value
+            mask = masks.pop(i, None)
+            if mask is not None:
+                grads[i] = ops.where(mask, grads[i], variables[i].value)
     with adascale.applying(optimizer):
         optimizer._apply_window_mean(
             [_cast(grads[i], variables[i].dtype) for i in updated],
@@ -151,24 +158,24 @@ def flush(optimizer):
     window.micro_steps.assign(np.zeros((), "int32"))
 
 
-def _updated(seen, summed, present):
+def _updated(seen, candidates, present):
     """`(updated, masks)`: the indices of the variables the window
     updates, and `{index: traced bool}` for those of them that compiled
     code updates only where the bool is true.
 
-    Where the closing call has every gradient, all of them. Where `seen`
-    (the window's seen-mask, added over replicas) is known, the variables
-    it marks. While compiled code is traced it is not: the closing call's
-    variables (`present`) are updated, and every other summed one under
-    its seen bit.
+    Where the closing call has a gradient for every variable of
+    `candidates` (all of them), all of them. Where `seen` (the window's
+    seen-mask, added over replicas) is known, the variables it marks.
+    While compiled code is traced it is not: the closing call's variables
+    (`present`) are updated, and every other one under its seen bit.
     """
-    if present is not None and set(summed) <= set(present):
+    if present is not None and set(candidates) <= set(present):
         # No read of the mask (a device sync, eagerly), no branch.
         return list(present), {}
     known = concrete_value(seen)
     if known is not None:
         return [i for i in range(len(known)) if known[i] > 0], {}
-    maybe = [i for i in summed if i not in present]
+    maybe = [i for i in candidates if i not in present]
     masks = {i: ops.greater(seen[i], 0) for i in maybe}
     return sorted(set(present) | set(maybe)), masks
 
