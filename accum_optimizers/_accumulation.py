@@ -124,22 +124,6 @@ class GradientAccumulation:
             with _backend.outside_compiled_code():
                 restore.restore(self, list(pending))
 
-    @property
-    def accum_iters(self):
-        """The window size: an int, a dict `{update: k}`, or an
-        `AccumSchedule` (see the class docstring)."""
-        return self._accum_iters
-
-    @accum_iters.setter
-    def accum_iters(self, accum_iters):
-        schedule = schedules.get(accum_iters)
-        if isinstance(schedule, schedules.PiecewiseConstantAccumIters):
-            accum_iters = dict(schedule.boundaries)
-        else:
-            accum_iters = schedule
-        _args.check_settable_accum_iters(self, accum_iters)
-        self._accum_iters = accum_iters
-
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
         # Keras' wrappers set it as they take an inner optimizer (to the
@@ -148,18 +132,6 @@ class GradientAccumulation:
         # instance cooperates with it.
         if name == "loss_scale_factor":
             _meet_wrappers()
-
-    @property
-    def measure_noise_scale(self):
-        """Whether the optimizer measures the gradient noise scale (see
-        `noise_scale`)."""
-        return self._accum_measure_noise_scale
-
-    @measure_noise_scale.setter
-    def measure_noise_scale(self, measure):
-        _args.check_settable_measure_noise_scale(self, measure)
-        adascale.check_measured(self, measure)
-        self._accum_measure_noise_scale = measure
 
     @property
     def flush_at_train_end(self):
@@ -519,3 +491,7 @@ def _meet_wrappers(building=False):
     from accum_optimizers import _wrappers
 
     _wrappers.meet_wrappers(building)
+
+
+# Every accumulation argument, an attribute checked when set.
+_args.add_attributes(GradientAccumulation)

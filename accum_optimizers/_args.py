@@ -8,13 +8,13 @@
 
 import dataclasses
 import inspect
-import warnings
 from typing import Any
 from typing import Callable
 
 import keras
 import numpy as np
 
+from accum_optimizers import _settable
 from accum_optimizers import schedules
 from accum_optimizers._validation import is_real_number
 from accum_optimizers._validation import validate_accumulator_dtype
@@ -34,6 +34,11 @@ class Argument:
             one.
         in_config: whether `get_config` returns it (`lr` is folded into
             `learning_rate` instead).
+        settable: maps `(optimizer, checked value)` to the value the
+            optimizer keeps when it is set as an attribute, raising where
+            the optimizer cannot take it now (`_settable`).
+        read: maps the optimizer to the attribute's value, where it is
+            not the value kept (`lr` reads `learning_rate`).
     """
 
     name: str
@@ -41,6 +46,40 @@ class Argument:
     doc: str
     check: Callable[[Any], Any]
     in_config: bool = True
+    settable: Callable[[Any, Any], Any] = _settable.taken
+    read: Callable[[Any], Any] = None
+
+
+class Attribute:
+    """An accumulation argument as an attribute of the optimizer: a value
+    set after construction is checked as the constructor checks it, then
+    as the optimizer can take it now (`Argument.settable`), and refused
+    naming the argument and the value."""
+
+    def __init__(self, argument):
+        self.argument = argument
+        self.__doc__ = argument.doc.format(parent="the parent optimizer")
+
+    def __get__(self, optimizer, owner=None):
+        if optimizer is None:
+            return self
+        if self.argument.read is not None:
+            return self.argument.read(optimizer)
+        try:
+            return optimizer.__dict__[_settable.key(self.argument.name)]
+        except KeyError:
+            raise AttributeError(self.argument.name) from None
+
+    def __set__(self, optimizer, value):
+        argument = self.argument
+        kept = argument.settable(optimizer, argument.check(value))
+        optimizer.__dict__[_settable.key(argument.name)] = kept
+
+
+def add_attributes(cls):
+    """Makes every accumulation argument an `Attribute` of `cls`."""
+    for argument in ARGUMENTS:
+        setattr(cls, argument.name, Attribute(argument))
 
 
 def _bool_check(name):
@@ -92,6 +131,7 @@ ARGUMENTS = (
         `accum_optimizers.schedules`). Defaults to `1`, which behaves
         exactly like {parent}.""",
         schedules.get,
+        settable=_settable.accum_iters,
     ),
     Argument(
         "skip_nonfinite",
@@ -105,6 +145,7 @@ ARGUMENTS = (
         any replica's gradients are not finite. `skipped_micro_batches`
         counts them. Defaults to `False`.""",
         _bool_check("skip_nonfinite"),
+        settable=_settable.skip_nonfinite,
     ),
     Argument(
         "measure_noise_scale",
@@ -117,6 +158,7 @@ ARGUMENTS = (
         `skip_nonfinite`'s check) and nine scalars. Defaults to
         `False`.""",
         _bool_check("measure_noise_scale"),
+        settable=_settable.measure_noise_scale,
     ),
     Argument(
         "noise_scale_momentum",
@@ -127,6 +169,7 @@ ARGUMENTS = (
         `1 - noise_scale_momentum`, and the averages are divided by their
         total weight. Defaults to `0.99`.""",
         _check_noise_scale_momentum,
+        settable=_settable.traced("noise_scale_momentum"),
     ),
     Argument(
         "accumulator_dtype",
@@ -136,6 +179,7 @@ ARGUMENTS = (
         `"float32"` for `float16`/`bfloat16` variables, the variable's own
         dtype otherwise. float16 sums refuse weighted windows.""",
         validate_accumulator_dtype,
+        settable=_settable.accumulator_dtype,
     ),
     Argument(
         "jit_compile",
@@ -164,6 +208,7 @@ ARGUMENTS = (
         the step is compiled already (XLA, JAX) or eager (torch,
         `run_eagerly=True`). Defaults to `"auto"`.""",
         _check_jit_compile,
+        settable=_settable.traced("jit_compile"),
     ),
     Argument(
         "lr",
@@ -172,6 +217,8 @@ ARGUMENTS = (
         an error.""",
         _keep,
         in_config=False,
+        settable=_settable.lr,
+        read=lambda optimizer: optimizer.learning_rate,
     ),
     Argument(
         "decay",
@@ -180,6 +227,7 @@ ARGUMENTS = (
         (1 + decay * iterations)`, `iterations` counting applied updates);
         warns. Defaults to `None`.""",
         validate_decay,
+        settable=_settable.traced("decay"),
     ),
 )
 
@@ -221,81 +269,6 @@ def docstring(parent):
         f"    {argument.name}: {argument.doc.format(parent=parent)}"
         for argument in ARGUMENTS
     )
-
-
-def check_settable_accum_iters(optimizer, accum_iters):
-    """Raises where `optimizer` cannot take `accum_iters` (a checked
-    value): a window keyed on a noise scale it does not measure, or a
-    window on an optimizer built without one."""
-    if schedules.keyed_on_noise_scale(accum_iters) and not getattr(
-        optimizer, "measure_noise_scale", True
-    ):
-        raise ValueError(
-            "`accum_iters=by_noise_scale(...)` follows the measured "
-            "noise scale: pass `measure_noise_scale=True` too. Received: "
-            f"accum_iters={accum_iters!r}, measure_noise_scale=False"
-        )
-    layout = optimizer.__dict__.get("_accum_layout")
-    if layout is not None and layout.has_window:
-        _check_pending_fits(optimizer, accum_iters)
-        return
-    if layout is None:
-        return
-    if not isinstance(accum_iters, int) or accum_iters > 1:
-        raise ValueError(
-            f"Cannot set `accum_iters` of '{optimizer.name}' to "
-            f"{accum_iters!r}: it was built with accum_iters=1, "
-            "without the window's state (its sums and counters). "
-            "Set `accum_iters` before the optimizer is built (before "
-            "the first `fit` or `apply`), or make a new optimizer. "
-            f"Received: accum_iters={accum_iters!r}"
-        )
-
-
-def _check_pending_fits(optimizer, accum_iters):
-    """Raises where `optimizer` (built, with a window) holds more pending
-    micro-batches than a window of `accum_iters` (an int) continues, as a
-    load into it would; warns that a compiled train function keeps the
-    window size it was traced with."""
-    if not isinstance(accum_iters, int):
-        return
-    try:
-        micro_steps = optimizer._window.micro_steps
-        pending = int(keras.ops.convert_to_numpy(micro_steps))
-    except Exception:  # noqa: BLE001 - traced: nothing to read
-        return
-    if pending >= accum_iters:
-        raise ValueError(
-            f"Cannot set `accum_iters` of '{optimizer.name}' to "
-            f"{accum_iters}: the optimizer holds a pending window of "
-            f"{pending} micro-batches, more than a window of {accum_iters} "
-            f"continues (at most {accum_iters - 1}). Call `flush()` first, "
-            f"or set a larger value. Received: accum_iters={accum_iters}"
-        )
-    if accum_iters != optimizer.__dict__.get("_accum_iters"):
-        warnings.warn(
-            f"`accum_iters` of '{optimizer.name}' set to {accum_iters} "
-            "after it was built: a train function already compiled (a "
-            "`tf.function`, `jit_compile`, JAX) keeps the window size it "
-            "was traced with. Call `model.make_train_function(force=True)` "
-            "before the next `fit`.",
-            stacklevel=4,
-        )
-
-
-def check_settable_measure_noise_scale(optimizer, measure):
-    """Raises where `optimizer` was built without the noise scale's
-    variables and `measure` is true."""
-    layout = optimizer.__dict__.get("_accum_layout")
-    if not measure or layout is None:
-        return
-    if not any(variable.noise_scale for variable in layout.state):
-        raise ValueError(
-            f"Cannot set `measure_noise_scale` of '{optimizer.name}' to "
-            "True: it was built without the measurement's variables. Pass "
-            "`measure_noise_scale=True` when making the optimizer. "
-            f"Received: measure_noise_scale={measure!r}"
-        )
 
 
 def check_saved(cls, config):

@@ -46,6 +46,7 @@ import os
 import re
 import statistics
 import time
+import warnings
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -148,8 +149,12 @@ def skip_toggled_steps(
 
 
 def _set(optimizer, skip, measure):
-    optimizer.skip_nonfinite = skip
-    optimizer.measure_noise_scale = measure
+    with warnings.catch_warnings():
+        # (Each setting runs its own traced step: the warning that a
+        # compiled train function keeps the old value is not for it.)
+        warnings.simplefilter("ignore")
+        optimizer.skip_nonfinite = skip
+        optimizer.measure_noise_scale = measure
 
 
 def _with_settings(optimizer, skip, measure, run):

@@ -97,6 +97,9 @@ class Run:
     resume: Optional[str] = None
     resume_at: int = 1
     accum_after: Optional[int] = None  # `accum_iters` set at the split
+    # Accumulation arguments set as attributes at the split, before the
+    # save: `(name, value)` pairs (`ATTRIBUTE_WRITES`).
+    writes: tuple = ()
     jit_compile: object = "auto"
     run_eagerly: bool = False
     # The optimizers' `jit_compile` (True, False or "auto"): their close
@@ -364,6 +367,44 @@ def accumulating(model):
     return getattr(optimizer, "inner_optimizer", optimizer)
 
 
+# Attribute writes a run draws at its split: values the constructor
+# refuses (refused when set too, naming the argument and the value, and
+# nothing changes), and `jit_compile`s the next `fit` takes.
+REFUSED_WRITES = (
+    ("accum_iters", 0),
+    ("skip_nonfinite", "yes"),
+    ("measure_noise_scale", 1),
+    ("noise_scale_momentum", 1.0),
+    ("accumulator_dtype", "int32"),
+    ("jit_compile", "no"),
+    ("decay", -1.0),
+)
+ATTRIBUTE_WRITES = REFUSED_WRITES + tuple(
+    ("jit_compile", value) for value in (True, False, "auto")
+)
+
+
+def write_attribute(optimizers, name, value):
+    """Sets `name` to `value` on each of `optimizers`, checking that a
+    value of `REFUSED_WRITES` is refused and changes nothing."""
+    for optimizer in optimizers:
+        before = getattr(optimizer, name)
+        if (name, value) not in REFUSED_WRITES:
+            with warnings.catch_warnings():
+                # (That a compiled train function keeps the old value.)
+                warnings.simplefilter("ignore")
+                setattr(optimizer, name, value)
+            assert getattr(optimizer, name) == value
+            continue
+        try:
+            setattr(optimizer, name, value)
+        except (TypeError, ValueError) as error:
+            assert name in str(error) and repr(value) in str(error), error
+        else:
+            raise AssertionError(f"{name}={value!r} was accepted")
+        assert getattr(optimizer, name) == before
+
+
 def accumulating_ones(model):
     """The model's accumulating optimizers: one, or a `MultiOptimizer`'s."""
     optimizer = accumulating(model)
@@ -445,6 +486,10 @@ def train_ours(run, tmp_path):
     else:
         split = run.resume_at * run.micro_batch
         fit(model, 0, split, flush=False)  # a flush would end the window
+        for name, value in run.writes:  # saved with the model, if it is
+            write_attribute(accumulating_ones(model), name, value)
+        if run.writes:
+            model.make_train_function(force=True)
         if run.resume != "continue":
             model = _resumed(run, model, tmp_path)
         if run.accum_after is not None:

@@ -290,3 +290,152 @@ def test_a_numeric_argument_refuses_a_bool_naming_it(name, bad):
     make = NUMERIC_ARGUMENTS[name][0]
     with pytest.raises((TypeError, ValueError), match=f"{name}={bad!r}"):
         make(bad)
+
+
+# Arguments set as attributes after construction ---------------------------
+
+# One bad value per checked argument, and what its error says.
+_BAD_ATTRIBUTES = [
+    ("accum_iters", 0, ValueError),
+    ("skip_nonfinite", "yes", TypeError),
+    ("measure_noise_scale", 1, TypeError),
+    ("noise_scale_momentum", 1.0, ValueError),
+    ("accumulator_dtype", "int32", ValueError),
+    ("jit_compile", "no", TypeError),
+    ("decay", -1.0, ValueError),
+]
+
+
+@pytest.mark.parametrize("accum_iters", [1, 2])
+@pytest.mark.parametrize("name, bad, error", _BAD_ATTRIBUTES)
+def test_an_attribute_set_is_checked_as_the_constructor_checks_it(
+    name, bad, error, accum_iters
+):
+    optimizer = AdamAccumulate(accum_iters=accum_iters)
+    before = getattr(optimizer, name)
+    with pytest.raises(error, match=rf"{name}.*{bad!r}"):
+        setattr(optimizer, name, bad)
+    assert getattr(optimizer, name) == before
+    # As the constructor refuses it.
+    with pytest.raises(error, match=rf"{name}.*{bad!r}"):
+        AdamAccumulate(**{name: bad})
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("jit_compile", False),
+        ("jit_compile", np.bool_(True)),
+        ("noise_scale_momentum", 0.5),
+        ("decay", 0.01),
+        ("skip_nonfinite", True),
+        ("accumulator_dtype", "float64"),
+        ("accum_iters", {0: 2, 4: 3}),
+    ],
+)
+@pytest.mark.filterwarnings("ignore:`decay`:DeprecationWarning")
+def test_an_attribute_set_before_build_round_trips_the_config(name, value):
+    optimizer = AdamAccumulate(accum_iters=2)
+    setattr(optimizer, name, value)
+    restored = AdamAccumulate.from_config(optimizer.get_config())
+    assert getattr(restored, name) == getattr(optimizer, name)
+    assert type(getattr(restored, name)) is type(getattr(optimizer, name))
+
+
+def test_jit_compile_set_to_a_string_is_refused_before_saving(tmp_path):
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer=AdamAccumulate(accum_iters=2), loss="mse")
+    with pytest.raises(TypeError, match="jit_compile='no'"):
+        model.optimizer.jit_compile = "no"
+    model.save(tmp_path / "model.keras")
+    loaded = keras.saving.load_model(tmp_path / "model.keras")
+    assert loaded.optimizer.jit_compile == "auto"
+
+
+def _built(accum_iters=1, **kwargs):
+    optimizer = AdamAccumulate(accum_iters=accum_iters, **kwargs)
+    optimizer.build([keras.Variable(np.zeros(2, "float32"))])
+    return optimizer
+
+
+def test_skip_nonfinite_on_an_optimizer_built_without_a_window_is_refused():
+    optimizer = _built()
+    with pytest.raises(ValueError, match="skip_nonfinite=True"):
+        optimizer.skip_nonfinite = True
+    assert optimizer.skip_nonfinite is False
+    optimizer.skip_nonfinite = False  # what it is: nothing to refuse
+
+
+def test_skip_nonfinite_set_before_build_skips():
+    variable = keras.Variable(np.ones(2, "float32"))
+    optimizer = SGDAccumulate(0.1)
+    optimizer.skip_nonfinite = True
+    optimizer.apply([keras.ops.convert_to_tensor([np.nan, 1.0])], [variable])
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable), 1.0)
+    assert int(optimizer.skipped_micro_batches) == 1
+
+
+def test_accumulator_dtype_after_build_is_refused():
+    optimizer = _built(accum_iters=2)
+    with pytest.raises(ValueError, match="accumulator_dtype='float64'"):
+        optimizer.accumulator_dtype = "float64"
+    assert optimizer.accumulator_dtype is None
+    optimizer.accumulator_dtype = None  # unchanged
+
+
+def test_measure_noise_scale_off_under_a_noise_keyed_window_is_refused():
+    optimizer = AdamAccumulate(
+        accum_iters=schedules.by_noise_scale(4), measure_noise_scale=True
+    )
+    with pytest.raises(ValueError, match="measure_noise_scale=False"):
+        optimizer.measure_noise_scale = False
+    assert optimizer.measure_noise_scale is True
+
+
+def test_accum_iters_beside_keras_accumulation_is_refused():
+    optimizer = AdamAccumulate(gradient_accumulation_steps=2)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
+        optimizer.accum_iters = 3
+    assert optimizer.accum_iters == 1
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("jit_compile", False),
+        ("decay", 0.5),
+        ("noise_scale_momentum", 0.5),
+        ("skip_nonfinite", True),
+    ],
+)
+def test_a_traced_attribute_changed_after_build_warns(name, value):
+    optimizer = _built(accum_iters=2)
+    with pytest.warns(UserWarning, match=rf"`{name}`.*make_train_function"):
+        setattr(optimizer, name, value)
+    assert getattr(optimizer, name) == value
+
+
+def test_lr_set_as_an_attribute_sets_learning_rate():
+    optimizer = AdamAccumulate(0.1, accum_iters=2)
+    with pytest.warns(DeprecationWarning, match="lr"):
+        optimizer.lr = 0.5
+    assert float(keras.ops.convert_to_numpy(optimizer.learning_rate)) == 0.5
+    assert optimizer.lr is optimizer.learning_rate
+
+
+def test_attributes_set_on_accum_iters_1_keep_the_parent_update():
+    variable = keras.Variable(np.ones(2, "float32"))
+    ours = AdamAccumulate(0.1)
+    ours.jit_compile = False
+    ours.noise_scale_momentum = 0.5
+    ours.skip_nonfinite = False
+    parent_variable = keras.Variable(np.ones(2, "float32"))
+    parent = keras.optimizers.Adam(0.1)
+    grad = keras.ops.convert_to_tensor([0.5, -2.0])
+    ours.apply([grad], [variable])
+    parent.apply([grad], [parent_variable])
+    assert len(ours.variables) == len(parent.variables)
+    np.testing.assert_array_equal(
+        keras.ops.convert_to_numpy(variable),
+        keras.ops.convert_to_numpy(parent_variable),
+    )

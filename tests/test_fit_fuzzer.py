@@ -26,6 +26,7 @@ import os
 import keras
 import numpy as np
 import pytest
+from fuzz_runs import ATTRIBUTE_WRITES
 from fuzz_runs import AmbiguousWindow
 from fuzz_runs import MemoryRun
 from fuzz_runs import Run
@@ -179,6 +180,8 @@ def runs(draw):
             # a warning): tests/test_reliability.py checks both.
             smallest = 1 if resume == "continue" or run.accum == 1 else 2
             run.accum_after = draw(st.integers(smallest, 4))
+        writes = st.sampled_from(ATTRIBUTE_WRITES)
+        run.writes = tuple(draw(st.lists(writes, max_size=2)))
     else:
         run.epochs = draw(st.integers(1, 2))
     if BACKEND == "torch":
@@ -463,6 +466,15 @@ def test_a_schedule_s_assertion_in_a_compiled_close_raises_as_the_parent(
 def test_accum_iters_raised_after_building_with_one_is_refused(tmp_path):
     run = Run(accum=1, samples=8, micro_batch=2, resume="continue")
     run.resume_at, run.accum_after = 2, 3
+    check(run, tmp_path)
+
+
+def test_attributes_set_between_fits_are_checked_and_taken(tmp_path):
+    # `jit_compile="no"` compiled the close (a true string) and saved a
+    # file that did not load; `jit_compile=True` then compiles it.
+    run = Run(accum=2, samples=12, micro_batch=2, resume="keras")
+    run.resume_at = 3
+    run.writes = (("jit_compile", "no"), ("jit_compile", True))
     check(run, tmp_path)
 
 

@@ -66,6 +66,32 @@ losses = st.one_of(
 refused_normalizers = st.sampled_from(
     [-1.0, -1e-6, float("nan"), float("inf"), -float("inf")]
 )
+# Accumulation arguments set as attributes after construction (and build):
+# values the constructor refuses, and values it takes.
+attribute_writes = st.sampled_from(
+    [
+        ("accum_iters", 0),
+        ("accum_iters", 2.5),
+        ("accum_iters", 3),
+        ("accum_iters", 5),
+        ("skip_nonfinite", "yes"),
+        ("skip_nonfinite", True),
+        ("skip_nonfinite", False),
+        ("measure_noise_scale", 1),
+        ("measure_noise_scale", True),
+        ("measure_noise_scale", False),
+        ("noise_scale_momentum", 1.0),
+        ("noise_scale_momentum", 0.5),
+        ("accumulator_dtype", "int32"),
+        ("accumulator_dtype", "float64"),
+        ("accumulator_dtype", None),
+        ("jit_compile", "no"),
+        ("jit_compile", False),
+        ("jit_compile", "auto"),
+        ("decay", -1.0),
+        ("decay", "0.1"),
+    ]
+)
 # Where compiled code leaves a micro-batch of a refused normalizer out of its
 # window (and `fit` raises at its end); eager code raises at once.
 COMPILED = {"tensorflow": "xla", "jax": "jit"}.get(keras.backend.backend())
@@ -417,6 +443,43 @@ class AccumulationMachine(RuleBasedStateMachine):
         after = to_numpy(self.variables) + to_numpy(applying.variables)
         for a, b in zip(after, before):
             np.testing.assert_array_equal(a, b)
+
+    @rule(write=attribute_writes)
+    def set_attribute(self, write):
+        # What the constructor refuses is refused, naming the argument and
+        # the value; what the built optimizer cannot take (its window's
+        # variables, its sums' dtype) too; the rest takes effect.
+        name, value = write
+        refused = {
+            # A pending window must fit the new size.
+            "accum_iters": not isinstance(value, int)
+            or len(self.window) >= value,
+            "skip_nonfinite": not isinstance(value, bool),
+            "measure_noise_scale": value is not False,
+            "noise_scale_momentum": value == 1.0,
+            "accumulator_dtype": value is not None,
+            "jit_compile": value == "no",
+            "decay": True,
+        }[name]
+        before = [getattr(o, name) for o in self._ours()]
+        try:
+            with warnings.catch_warnings():
+                # (That a compiled step keeps the old value.)
+                warnings.simplefilter("ignore")
+                for optimizer in self._ours():
+                    setattr(optimizer, name, value)
+        except (TypeError, ValueError) as error:
+            assert refused, error
+            assert name in str(error) and repr(value) in str(error), error
+            assert [getattr(o, name) for o in self._ours()] == before
+            return
+        assert not refused, f"{name}={value!r} was accepted"
+        assert all(getattr(o, name) == value for o in self._ours())
+        if name == "accum_iters":
+            self.accum_iters = value
+        if name == "skip_nonfinite":
+            self.options["skip_nonfinite"] = value
+        self.refusing = {}  # its compiled steps are traced again
 
     @precondition(lambda self: not self.multi)  # Keras' refuses a subset
     @rule()
