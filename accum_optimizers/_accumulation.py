@@ -212,6 +212,11 @@ class GradientAccumulation:
         enters = transition.enters(finite, micro_batch.valid)
         if enters is not None:
             enters = backend.agree(enters)
+        if micro_batch.refused is not None:
+            # Refused on any replica: every replica counts it so.
+            micro_batch.refused = ops.logical_not(
+                backend.agree(ops.logical_not(micro_batch.refused))
+            )
         new = transition.micro_step(
             self._window,
             grads,
@@ -385,6 +390,14 @@ class GradientAccumulation:
         """Micro-batches left out of their window because their gradients
         were not finite (`skip_nonfinite=True`), since creation."""
         return counts.read(self, lambda w: w.skipped, _zero_int)
+
+    @property
+    def refused_micro_batches(self):
+        """Micro-batches left out of their window because compiled code
+        refused their loss normalizer (`weigh_micro_batches`: negative, or
+        not finite without `skip_nonfinite`), since creation; the end of
+        `fit` raises for them."""
+        return counts.read(self, lambda w: w.refused, _zero_int)
 
     @property
     def samples_seen(self):

@@ -47,6 +47,9 @@ class Handoff:
         may_be_invalid: whether the weight is NaN where the caller could
             not refuse it (compiled code that cannot raise): the micro-batch
             is then left out of its window.
+        refused: `None`, or a traced bool: whether the weight was made NaN
+            for a refused loss normalizer (not for a non-finite micro-batch
+            that `skip_nonfinite` skips).
     """
 
     weight: Any
@@ -54,6 +57,7 @@ class Handoff:
     check: bool = False
     checked: Any = None
     may_be_invalid: bool = False
+    refused: Any = None
 
 
 @dataclasses.dataclass(eq=False)

@@ -90,7 +90,7 @@ def weigh_micro_batches(model):
         _refuse_torch_compile(model)
         with _keras_private.recorded_loss_reductions() as reductions:
             loss = compute_loss(x, y, y_pred, sample_weight, **kwargs)
-        weight, checked, poisoned = _checked_normalizer(
+        weight, checked, poisoned, refused = _checked_normalizer(
             _micro_batch_weight(reductions, y_pred),
             skips=any(optimizer.skip_nonfinite for optimizer in optimizers),
         )
@@ -105,7 +105,10 @@ def weigh_micro_batches(model):
             _inputs.hand_over(
                 optimizer,
                 _inputs.Handoff(
-                    weight, checked=checked, may_be_invalid=poisoned
+                    weight,
+                    checked=checked,
+                    may_be_invalid=poisoned,
+                    refused=refused,
                 ),
             )
         return loss
@@ -146,7 +149,8 @@ def _refuse_torch_compile(model):
 
 
 def _checked_normalizer(weight, skips=False):
-    """`(weight, checked, poisoned)`: `weight`, refused when negative or not
+    """`(weight, checked, poisoned, refused)`: `weight`, refused when
+    negative or not
     finite (a negative sum of sample weights under
     `mean_with_sample_weight`: a window's total weight could then be `0`
     or negative, and its mean meaningless). `0` is kept: a micro-batch
@@ -159,8 +163,10 @@ def _checked_normalizer(weight, skips=False):
     the train step before any state changes (`checked` returns the context
     the optimizer's state changes run in; else it is `None`); where
     compiled code cannot fail (JAX, XLA) the weight becomes NaN
-    (`poisoned` is `True`), which makes the window NaN (`flush` discards
-    it).
+    (`poisoned` is `True`): the micro-batch is left out of its window, and
+    `refused`, a traced bool, says where it was for a refused normalizer
+    (counted apart from non-finite skips, and reported at the end of
+    `fit`); else `refused` is `None`.
     """
     message = (
         "weigh_micro_batches(model): a micro-batch's loss normalizer (the "
@@ -169,18 +175,22 @@ def _checked_normalizer(weight, skips=False):
     )
     value = concrete_value(weight)
     if value is not None and skips and not np.isfinite(value):
-        return ops.convert_to_tensor(float("nan")), None, True
+        return ops.convert_to_tensor(float("nan")), None, True, None
     if value is not None:
         if not (np.isfinite(value) and value >= 0):
             raise ValueError(f"{message} Received: normalizer={value!r}")
-        return weight, None, False
+        return weight, None, False, None
     asserted = asserted_normalizer(weight, skips, message)
     if asserted is not None:
-        return asserted
-    valid = ops.logical_and(
-        ops.isfinite(weight), ops.greater_equal(weight, 0.0)
-    )
-    return ops.where(valid, weight, float("nan")), None, True
+        return (*asserted, None)
+    finite = ops.isfinite(weight)
+    valid = ops.logical_and(finite, ops.greater_equal(weight, 0.0))
+    # With `skips`, a non-finite normalizer marks a non-finite micro-batch,
+    # skipped; a negative one is refused as without it.
+    refused = ops.logical_not(valid)
+    if skips:
+        refused = ops.logical_and(finite, refused)
+    return ops.where(valid, weight, float("nan")), None, True, refused
 
 
 def _micro_batch_weight(reductions, y_pred):

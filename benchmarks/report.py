@@ -22,7 +22,7 @@ COLUMNS = [
 # `accum_optimizers/_window/spec.py`, without the noise scale's, which the
 # benchmarks do not measure): its scalars, at most 8 bytes each, and
 # one int32 flag per trainable variable (received gradient in the window).
-WINDOW_SCALARS = 9
+WINDOW_SCALARS = 10
 WINDOW_SCALAR_BYTES = 8 * WINDOW_SCALARS
 MASK_BYTES = 4
 K = 4

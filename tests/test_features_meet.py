@@ -222,12 +222,12 @@ def test_a_recovery_in_a_later_window_of_a_regrouped_epoch_is_refused():
 # -- Negative and non-finite sample weights -----------------------------------
 
 
-def _weighted_model(optimizer):
+def _weighted_model(optimizer, **compile_options):
     from accum_optimizers import weigh_micro_batches
 
     model = small_model(2)
     loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
-    model.compile(optimizer=optimizer, loss=loss)
+    model.compile(optimizer=optimizer, loss=loss, **compile_options)
     return weigh_micro_batches(model)
 
 
@@ -278,6 +278,51 @@ def test_a_nan_normalizer_under_skip_nonfinite_is_skipped_on_every_backend():
     parent.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     kept = np.r_[0:4, 8:12]
     parent.train_on_batch(x[kept], y[kept])
+    assert_all_close(
+        model.get_weights(), parent.get_weights(), rtol=0, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_negative_normalizer_under_skip_nonfinite_is_refused_in_every_mode(
+    mode,
+):
+    # Not a non-finite micro-batch to skip: refused as without
+    # `skip_nonfinite`. Eagerly and in a TensorFlow graph at once; compiled
+    # code (XLA, JAX) cannot raise: it leaves the micro-batch out, counts
+    # it apart from the skips, and `fit` raises at its end.
+    x, y = regression_data(2, 16)
+    weights = np.ones(16, "float32")
+    weights[4:8] = -1.0  # micro-batch 1's normalizer: -4
+    model = _weighted_model(
+        SGDAccumulate(0.1, accum_iters=2, skip_nonfinite=True),
+        run_eagerly=mode == "eager",
+        jit_compile=mode in ("xla", "jit"),
+    )
+    initial = model.get_weights()
+    with pytest.raises(Exception, match="normalizer"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the pending window at the end
+            model.fit(
+                x,
+                y,
+                sample_weight=weights,
+                batch_size=4,
+                shuffle=False,
+                verbose=0,
+            )
+    optimizer = model.optimizer
+    assert int(to_numpy(optimizer.skipped_micro_batches)) == 0
+    parent = small_model(2)
+    parent.set_weights(initial)
+    parent.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    if mode in ("xla", "jit"):
+        assert int(to_numpy(optimizer.refused_micro_batches)) == 1
+        # Micro-batches 0 and 2 made the window; 3 is pending.
+        kept = np.r_[0:4, 8:12]
+        parent.train_on_batch(x[kept], y[kept])
+    else:
+        assert int(to_numpy(optimizer.micro_steps)) == 1  # micro-batch 0
     assert_all_close(
         model.get_weights(), parent.get_weights(), rtol=0, atol=1e-6
     )

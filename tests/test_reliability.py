@@ -452,7 +452,8 @@ def test_overwrite_with_gradient_variables_follow_the_big_batch(mode, pattern):
     ours = variables()
     step = applier(SGDAccumulate(0.1, accum_iters=3), ours, mode)
     windows = []
-    for _ in range(2):  # the second window's maximum owes nothing to the first
+    # Two windows: the second's maximum owes nothing to the first's.
+    for _ in range(2):
         window = [rng.normal(size=(3, 3)).astype("float32") for _ in range(3)]
         windows.append(window)
         for j, grads in enumerate(window):
@@ -475,7 +476,8 @@ def test_overwrite_with_gradient_variables_follow_the_big_batch(mode, pattern):
         kernel = [g[1] * p for g, p in zip(window, presence["kernel"])]
         big += [np.mean(kernel, axis=0), np.mean([g[2] for g in window], 0)]
         big_variables += theirs[1:]
-        parent.apply([keras.ops.convert_to_tensor(g) for g in big], big_variables)
+        big = [keras.ops.convert_to_tensor(g) for g in big]
+        parent.apply(big, big_variables)
     for mine, expected in zip(ours, theirs):
         np.testing.assert_allclose(
             to_numpy(mine), to_numpy(expected), rtol=1e-6, err_msg=mine.name
@@ -518,6 +520,7 @@ def test_a_window_saved_by_0_1_0_without_mask_and_weight_resumes():
         window_state(optimizer)["loss_sum"],
         window_state(optimizer)["window_loss"],
         window_state(optimizer)["window_grad_norm"],
+        window_state(optimizer)["refused"],
     ]
     absent = {
         i

@@ -1,18 +1,20 @@
 """A stateful property test: random sequences of what users do to an
 accumulating optimizer, checked after every step against an independent
 reference: a numpy model of the window and the parent Keras optimizer fed
-the window's (weighted) mean gradient. Drawn runs put the optimizer inside a
-`LossScaleOptimizer` (its loss scale modelled by hand), whose weights-only
-resume must keep the loss scale, and skip non-finite micro-batches
-(`skip_nonfinite`, or the `LossScaleOptimizer`'s own skip). The window's
-loss, gradient norm, samples seen and skip count are checked against the
-reference's. The end of `fit` is a step too, with and without
+the window's (weighted) mean gradient. Drawn runs put the optimizer inside
+a `LossScaleOptimizer` (its loss scale modelled by hand), whose
+weights-only resume must keep the loss scale, and skip non-finite
+micro-batches (`skip_nonfinite`, or the `LossScaleOptimizer`'s own skip).
+The window's loss, gradient norm, samples seen and skip count are checked
+against the reference's. The end of `fit` is a step too, with and without
 `FlushAccumulation`: the pending-window warning, the flush, and the
-refusal of micro-batches that compiled code left out of their windows for a
-negative or non-finite loss normalizer (`weigh_micro_batches`; TensorFlow
-XLA and `jax.jit`: compiled code cannot raise). Layers (nested
-`AccumBatchNormalization`)
-are not part of this machine: they are a model's, tested in
+refusal of micro-batches that compiled code left out of their windows for
+a negative or non-finite loss normalizer (`weigh_micro_batches`;
+TensorFlow XLA and `jax.jit`: compiled code cannot raise), with
+`skip_nonfinite` too (a negative one refused, a non-finite one skipped).
+Accumulation arguments are set as attributes after construction, valid
+values and refused ones. Layers (nested `AccumBatchNormalization`) are not
+part of this machine: they are a model's, tested in
 `test_features_combined.py`. Drawn runs also put the optimizer in a
 `MultiOptimizer` beside a second one of its kind for the last variable,
 checked against Keras' `MultiOptimizer` of the parents: Keras' refuses a
@@ -153,6 +155,7 @@ class AccumulationMachine(RuleBasedStateMachine):
         # Micro-batches left out for a refused normalizer since the last
         # end of `fit`, which must raise at the next.
         self.refused = 0
+        self.refused_since_creation = 0  # `refused_micro_batches`
         self.holder, self.refusing = _Holder(), {}
         # The loss scale and its step counter, by hand: after `GROWTH`
         # finite steps the scale doubles (Keras' dynamic loss scaling).
@@ -496,10 +499,7 @@ class AccumulationMachine(RuleBasedStateMachine):
 
     @precondition(
         lambda self: (
-            COMPILED is not None
-            and self.wrapper is None
-            and self.multi is None
-            and not self.options["skip_nonfinite"]
+            COMPILED is not None and self.wrapper is None and self.multi is None
         )
     )
     @rule(
@@ -507,8 +507,9 @@ class AccumulationMachine(RuleBasedStateMachine):
     )
     def apply_refused_normalizer(self, grads, normalizer, scaled):
         # Compiled code cannot raise: the micro-batch is left out of its
-        # window (counted in `skipped_micro_batches`), and the end of `fit`
-        # raises for it.
+        # window (counted in `refused_micro_batches`), and the end of `fit`
+        # raises for it. Under `skip_nonfinite`, a non-finite normalizer
+        # marks a micro-batch to skip instead (`skipped_micro_batches`).
         if self.frozen:
             grads = [None] + grads[1:]
         tensor = keras.ops.convert_to_tensor
@@ -516,8 +517,11 @@ class AccumulationMachine(RuleBasedStateMachine):
             [None if g is None else tensor(g) for g in grads],
             tensor(np.asarray([normalizer], "float32")),
         )
-        self.skipped += 1
-        self.refused += 1
+        if self.options["skip_nonfinite"] and not np.isfinite(normalizer):
+            self.skipped += 1
+        else:
+            self.refused += 1
+            self.refused_since_creation += 1
 
     @rule(flush=st.booleans())
     def end_of_fit(self, flush):
@@ -643,6 +647,8 @@ class AccumulationMachine(RuleBasedStateMachine):
             )
             assert int(ours.micro_steps) == len(self.window)
             assert int(ours.skipped_micro_batches) == self.skipped
+            refused = int(ours.refused_micro_batches)
+            assert refused == self.refused_since_creation
         np.testing.assert_allclose(
             float(self.optimizer.samples_seen), self.samples, rtol=1e-6
         )
@@ -731,3 +737,28 @@ def test_a_loaded_optimizer_does_not_report_its_saved_runs_refusals_again():
     machine.end_of_fit(flush=False)  # raises for it
     machine.save_and_load(before_build=False)
     machine.end_of_fit(flush=False)  # nothing refused since
+
+
+@pytest.mark.backends("tensorflow", "jax")
+def test_under_skip_nonfinite_a_negative_normalizer_is_refused_not_skipped():
+    # Compiled code skipped it as a non-finite micro-batch, and `fit` did
+    # not raise; a non-finite normalizer is still a skip.
+    grads = [np.full(s, 0.25, "float32") for s in SHAPES]
+    machine = AccumulationMachine()
+    machine.setup("sgd", 2, loss_scaled=False, skip_nonfinite=True, multi=False)
+    steps = [
+        lambda: machine.apply_refused_normalizer(grads, -1.0, scaled=True),
+        lambda: machine.apply_refused_normalizer(grads, np.nan, scaled=False),
+        lambda: machine.apply_all(grads, weight=2.0, loss=None),
+        lambda: machine.set_attribute(("jit_compile", "no")),
+        lambda: machine.set_attribute(("skip_nonfinite", False)),
+        lambda: machine.apply_refused_normalizer(grads, -1e-6, scaled=False),
+        lambda: machine.end_of_fit(flush=True),  # raises for the 2 refused
+        lambda: machine.save_and_load(before_build=False),
+        lambda: machine.end_of_fit(flush=False),  # nothing refused since
+    ]
+    for step in steps:
+        step()
+        machine.same_weights_and_state_as_the_reference()
+    assert int(to_numpy(machine.optimizer.refused_micro_batches)) == 2
+    assert int(to_numpy(machine.optimizer.skipped_micro_batches)) == 1

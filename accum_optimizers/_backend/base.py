@@ -124,6 +124,8 @@ def counter_writes(window, step):
     ]
     if step.skipped is not None:
         writes.append((window.skipped, step.skipped))
+    if step.refused is not None:
+        writes.append((window.refused, step.refused))
     if step.noise_sums is not None:
         writes += zip(
             (

@@ -198,8 +198,7 @@ def check_end_of_fit(optimizer, flushed):
     out of their windows for an invalid loss normalizer, and warns of a
     pending window unless something `flushed` it."""
     window = optimizer._window
-    if not optimizer.skip_nonfinite:
-        _report_refused_weights(optimizer, window)
+    _report_refused_weights(optimizer, window)
     if flushed:
         return
     try:
@@ -224,21 +223,21 @@ def check_end_of_fit(optimizer, flushed):
 
 def _report_refused_weights(optimizer, window):
     """Raises for micro-batches that compiled code left out of their
-    windows because `weigh_micro_batches` found their loss normalizer
-    negative or not finite (it cannot raise there): with
-    `skip_nonfinite=False` nothing else leaves a micro-batch out."""
+    windows because `weigh_micro_batches` refused their loss normalizer
+    (it cannot raise there): negative, or not finite without
+    `skip_nonfinite` (with it, a non-finite one is a skip)."""
     try:
-        skipped = int(ops.convert_to_numpy(window.skipped.value))
+        refused = int(ops.convert_to_numpy(window.refused.value))
     except TypeError:
         return  # A failed JAX step; its own error goes through.
     reported = optimizer._refused_reported
-    if skipped > reported:
-        optimizer._refused_reported = skipped
+    if refused > reported:
+        optimizer._refused_reported = refused
         raise ValueError(
-            f"weigh_micro_batches(model): {skipped - reported} "
+            f"weigh_micro_batches(model): {refused - reported} "
             "micro-batches had a loss normalizer (the sum of their "
             "sample weights) that is negative or not finite; they were "
             "left out of their windows, and the weights did not move for "
             "them. Negative sample weights are not supported. Received: "
-            f"skipped_micro_batches={skipped}"
+            f"refused_micro_batches={refused}"
         )

@@ -1,8 +1,10 @@
 """Saving and restoring the window: what a saved state means (this
 version's layout, the parent's state alone, an untrained state, 0.1.0's
-window, a window saved without the noise scale's variables), its counters
-checked, and the optimizer's `load_own_variables`."""
+window, a window saved without the noise scale's variables or before the
+count of refused normalizers), its counters checked, and the optimizer's
+`load_own_variables`."""
 
+import itertools
 import warnings
 
 import numpy as np
@@ -17,6 +19,17 @@ from accum_optimizers._window.spec import window_state
 
 # Of the window's state, 0.1.0 saved its first two counters alone.
 _SAVED_BY_0_1_0 = ("micro_steps", "micro_batches")
+# Window variables added since, absent from states saved before them (they
+# start at 0).
+_ADDED_LATER = ("refused",)
+# The groups of window variables a saved state may lack: AdaScale's, the
+# noise scale's (`measure_noise_scale=False`, or saved before they
+# existed), those added since.
+_OPTIONAL = (
+    lambda variable: variable.adascale,
+    lambda variable: variable.noise_scale,
+    lambda variable: variable.name in _ADDED_LATER,
+)
 
 
 def pending_restore(optimizer):
@@ -77,7 +90,7 @@ def restore(optimizer, values):
     empty = is_empty(window)
     restored = list(parent)
     if optimizer._has_window and not empty:
-        restored += window
+        restored += _in_variable_order(window, layout.state)
     variables = optimizer.variables
     for index, value in enumerate(restored):
         if tuple(np.shape(value)) != tuple(variables[index].shape):
@@ -94,21 +107,22 @@ def restore(optimizer, values):
             _warn_of_counts_lost(parent, window, describe)
         return
     if empty:
-        window_variables = optimizer.variables[layout.parent :]
         lasting = lasting_values(parent, window, layout.state)
-        for spec, variable in zip(layout.state, window_variables):
+        for spec in layout.state:
+            variable = getattr(optimizer._window, spec.name)
             if spec.name == "micro_steps":
                 variable.assign(np.zeros((), "int32"))
             elif spec.lasting:
                 variable.assign(lasting[spec.name])
+    added = sum(v.name in _ADDED_LATER for v in layout.state)
     if optimizer._window.scale_invariant_step is not None and (
-        len(values) != layout.total
+        len(values) not in (layout.total, layout.total - added)
     ):
         # Saved without AdaScale (by the parent, or with another rate).
         adascale.start_at(optimizer._window, parent[0])
     # The saved run's refused micro-batches were its `fit`'s to report.
-    skipped = concrete_value(optimizer._window.skipped.value)
-    optimizer._refused_reported = int(skipped or 0)
+    refused = concrete_value(optimizer._window.refused.value)
+    optimizer._refused_reported = int(refused or 0)
 
 
 def _saved_window_size(optimizer, parent, window):
@@ -147,7 +161,8 @@ def plan_restore(values, layout, window_size_at, describe):
       with `iterations` 0), a window saved by 0.1.0, a window saved
       without the noise scale's variables (by `measure_noise_scale=False`,
       or before they existed) when this optimizer measures it, or without
-      AdaScale's (and a float learning rate) when its rate is AdaScale's.
+      AdaScale's (and a float learning rate) when its rate is AdaScale's,
+      or before the variables added since (`_ADDED_LATER`), or several.
 
     Args:
         values: the saved arrays, in order.
@@ -194,9 +209,10 @@ def _split_as_saved(values, layout, describe):
     count = len(values)
     if count == layout.parent:
         return values, None
-    if count == layout.total:
-        return values[: layout.parent], values[layout.parent :]
     state = layout.state
+    if count == layout.total:
+        window = _in_state_order(values[layout.parent :], state)
+        return values[: layout.parent], window
     if (
         layout.has_window
         and count == layout.total - _absent_from_0_1_0(state)
@@ -205,16 +221,14 @@ def _split_as_saved(values, layout, describe):
     ):
         window = _window_of_0_1_0(values[layout.parent :], layout.sums, state)
         return values[: layout.parent], window
-    # Saved without the noise scale's variables (`measure_noise_scale=False`
-    # or before they existed), or without AdaScale's, or both.
-    for absent in (
-        lambda variable: variable.adascale,
-        lambda variable: variable.noise_scale,
-        lambda variable: variable.noise_scale or variable.adascale,
-    ):
+    for absent in _older_layouts(state) if layout.has_window else ():
         missing = sum(1 for variable in state if absent(variable))
-        if missing and count == layout.total - missing:
-            window = _window_without(values[layout.parent :], state, absent)
+        if count != layout.total - missing:
+            continue
+        window = _window_without(values[layout.parent :], state, absent)
+        # A count can match by chance (a schedule saved one variable less
+        # than a float learning rate): the window's shapes tell.
+        if _is_laid_out(window, state, layout.sums):
             return values[: layout.parent], window
     if count == layout.unbuilt:
         if int(np.asarray(values[0])) != 0:
@@ -283,15 +297,64 @@ def _absent_from_0_1_0(state):
     return sum(v.name not in _SAVED_BY_0_1_0 for v in state)
 
 
+def _older_layouts(state):
+    """Predicates picking the variables of `state` each older layout
+    lacks: every combination of the `_OPTIONAL` groups `state` holds."""
+    groups = [g for g in _OPTIONAL if any(g(v) for v in state)]
+    return [
+        lambda variable, combination=combination: any(
+            group(variable) for group in combination
+        )
+        for size in range(1, len(groups) + 1)
+        for combination in itertools.combinations(groups, size)
+    ]
+
+
+def _in_state_order(window, state):
+    """A window's saved values, in its variable order (the variables of
+    `state` made before the sums, the sums, those made after them), in
+    `state`'s order followed by the sums (the order this module reads)."""
+    after = sum(variable.after_sums for variable in state)
+    before = len(state) - after
+    sums_end = len(window) - after
+    return (
+        list(window[:before])
+        + list(window[sums_end:])
+        + list(window[before:sums_end])
+    )
+
+
+def _in_variable_order(window, state):
+    """The inverse of `_in_state_order`."""
+    after = sum(variable.after_sums for variable in state)
+    before = len(state) - after
+    return (
+        list(window[:before])
+        + list(window[len(state) :])
+        + list(window[before : len(state)])
+    )
+
+
+def _is_laid_out(window, state, sums):
+    """Whether `window`'s values before the sums have the shapes of
+    `state`'s variables (`sums` of them per variable)."""
+    return all(
+        np.shape(value) == variable.shape(sums)
+        for variable, value in zip(state, window)
+    )
+
+
 def _window_without(window, state, absent):
     """A window saved without the variables of `state` that `absent`
     picks (the noise scale's: this layout before they existed, or
-    `measure_noise_scale=False`; AdaScale's) in `state`'s layout: nothing
-    measured yet. A pending window's first micro-batches were not measured
-    where the noise scale's are absent: its count is NaN, so that it gives
-    no estimate."""
+    `measure_noise_scale=False`; AdaScale's; those added since), in its
+    variable order, in `state`'s layout: nothing measured yet, counts
+    added since at 0. A pending window's first micro-batches were not
+    measured where the noise scale's are absent: its count is NaN, so that
+    it gives no estimate."""
     pending = int(np.asarray(window[0])) > 0
-    saved = iter(window)
+    saved_state = [variable for variable in state if not absent(variable)]
+    saved = iter(_in_state_order(window, saved_state))
     upgraded = []
     for variable in state:
         if not absent(variable):
@@ -373,10 +436,12 @@ def _warn_of_counts_lost(parent, window, describe):
     """Warns where a saved window's counts since creation differ from what
     an optimizer without a window reports (one micro-batch of weight 1 per
     update, none skipped): it keeps no variable to restore them into."""
+    # The counts before the variables added since: saved by every layout.
     saved = {
         variable.name: float(np.asarray(value))
         for variable, value in zip(window_state(False), window)
-        if variable.lasting
+        if variable.name
+        in ("micro_batches", "skipped", "samples_seen", "samples_seen_error")
     }
     updates = float(np.asarray(parent[0]))
     samples = saved["samples_seen"] + saved["samples_seen_error"]

@@ -4,8 +4,8 @@ An accumulating optimizer's variables are, in order: the parent optimizer's
 variables before `build` (`iterations`, and `learning_rate` when it is a
 float), those the parent's `build` adds (moments, EMA averages), then, when
 the optimizer has a window, the variables of `WINDOW_STATE` (less the noise
-scale's, unless it measures it: `window_state`) and one sum per trainable
-variable. `build` creates them from this declaration into a `Window`;
+scale's, unless it measures it: `window_state`), one sum per trainable
+variable, then the window variables made `after_sums`. `build` creates them from this declaration into a `Window`;
 saving writes every variable as it is, and restoring (`restore.py`) reads
 them back by position.
 """
@@ -41,6 +41,10 @@ class WindowVariable:
             (and saved layout) is unchanged.
         adascale: whether only optimizers whose learning rate is an
             AdaScale one (`schedules.adascale`) carry it.
+        after_sums: whether it is made after the sums (declared last): a
+            variable added since states were saved, so that every older
+            variable keeps its position (TensorFlow checkpoints match an
+            optimizer's variables by their index).
     """
 
     name: str
@@ -50,6 +54,7 @@ class WindowVariable:
     lasting: bool = False
     noise_scale: bool = False
     adascale: bool = False
+    after_sums: bool = False
 
     def shape(self, variable_count):
         return (variable_count,) if self.per_variable else ()
@@ -99,6 +104,10 @@ WINDOW_STATE = (
     _V("adascale_gain", "float32", lasting=True, adascale=True),
     _V("scale_invariant_step", "float32", lasting=True, adascale=True),
     _V("scale_invariant_step_error", "float32", lasting=True, adascale=True),
+    # Micro-batches left out of their window since creation because
+    # compiled code refused their loss normalizer (`weigh_micro_batches`);
+    # the end of `fit` raises for them. States saved before it lack it.
+    _V("refused", "int32", lasting=True, after_sums=True),
 )
 del _V
 
@@ -131,6 +140,7 @@ class Window:
     window_loss: object
     window_grad_norm: object
     sums: list
+    refused: object = None
     noise_sq_norm_sum: object = None
     noise_inverse_weight_sum: object = None
     noise_micro_batches: object = None
@@ -159,18 +169,21 @@ class Window:
 
 def build_window(optimizer, variables, state):
     """A `Window` of new variables of `optimizer`: one per `WindowVariable`
-    of `state`, in order, then one sum per variable of `variables`."""
-    made = {
-        spec.name: _replica_local(
+    of `state`, in order, then one sum per variable of `variables`, then
+    those of `state` made `after_sums`."""
+
+    def make(spec):
+        return _replica_local(
             optimizer,
             f"accum_{spec.name}",
             spec.shape(len(variables)),
             spec.dtype,
             aggregation=spec.aggregation,
         )
-        for spec in state
-    }
+
+    made = {spec.name: make(spec) for spec in state if not spec.after_sums}
     sums = [_sum_of(optimizer, variable) for variable in variables]
+    made.update({spec.name: make(spec) for spec in state if spec.after_sums})
     return Window(sums=sums, **made)
 
 

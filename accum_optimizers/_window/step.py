@@ -58,7 +58,7 @@ def checked_inputs(optimizer, pending, weight, loss):
         loss = _backend.train_step_loss()
     loss = validate_loss(loss)
     handoff = pending.handoff
-    scaled, check, valid = False, True, None
+    scaled, check, valid, refused = False, True, None, None
     checked = contextlib.nullcontext()
     if weight is None and handoff is not None:
         weight = handoff.weight
@@ -67,6 +67,7 @@ def checked_inputs(optimizer, pending, weight, loss):
             checked = handoff.checked()
         if handoff.may_be_invalid:
             valid = ops.isfinite(ops.cast(weight, "float32"))
+            refused = handoff.refused
     if weight is not None and has_window:
         validate_weighable(optimizer.accumulator_dtype)
     if weight is not None:
@@ -75,7 +76,10 @@ def checked_inputs(optimizer, pending, weight, loss):
         optimizer._counts_weights = True
     if weight is not None and check:
         weight, checked = _checked_weight(optimizer, weight)
-    return MicroBatch(weight, scaled, loss, valid, pending.finite), checked
+    micro_batch = MicroBatch(
+        weight, scaled, loss, valid, pending.finite, refused
+    )
+    return micro_batch, checked
 
 
 def _checked_weight(optimizer, weight):

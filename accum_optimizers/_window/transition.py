@@ -12,7 +12,8 @@ feature is a term of this one computation:
     weights         total_weight + w; the gradients enter as w * g, or
                     arrive so (`scaled`)
     skip            `enters`: gradients finite and weight valid on every
-                    replica; where false nothing moves but skipped + 1
+                    replica; where false nothing moves but skipped + 1,
+                    or refused + 1 for a refused loss normalizer
     window metrics  loss_sum + w * loss; `seen` marks the variables with
                     a gradient
     noise scale     noise sums + (R^2 |g|^2 / w^2, 1 / w, 1), for a
@@ -45,6 +46,9 @@ class MicroBatch:
             refuse is valid (it is NaN where not).
         finite: `None`, or whether a wrapper found every gradient finite
             (`MultiOptimizer`).
+        refused: `None`, or whether compiled code refused its loss
+            normalizer (`valid` is then false); agreed over replicas by
+            `micro_step`'s caller.
     """
 
     weight: object = None
@@ -52,6 +56,7 @@ class MicroBatch:
     loss: object = None
     valid: object = None
     finite: object = None
+    refused: object = None
 
 
 @dataclasses.dataclass
@@ -70,6 +75,8 @@ class Step:
         micro_steps, micro_batches, seen, total_weight, loss_sum: the
             window's counters after it.
         skipped: the skip count after it, or `None` where unchanged.
+        refused: the count of refused normalizers after it, or `None`
+            where unchanged.
         noise_sums: the noise scale's three sums after it, or `None`.
     """
 
@@ -85,6 +92,7 @@ class Step:
     total_weight: object
     loss_sum: object
     skipped: object = None
+    refused: object = None
     noise_sums: tuple = None
 
 
@@ -173,7 +181,12 @@ def micro_step(
         ),
     )
     if agreed is not None:
-        step.skipped = ops.add(window.skipped.value, ops.subtract(1, count))
+        left_out = ops.subtract(1, count)
+        if micro_batch.refused is not None:
+            refused = ops.cast(micro_batch.refused, "int32")
+            left_out = ops.subtract(left_out, refused)
+            step.refused = ops.add(window.refused.value, refused)
+        step.skipped = ops.add(window.skipped.value, left_out)
     if squares is not None:
         step.noise_sums = _noise_sums(
             window, opens, squares, micro_batch, agreed, replicas
@@ -183,8 +196,8 @@ def micro_step(
 
 def _left_out(window, micro_batch):
     """The `Step` of a micro-batch known to leave its window: nothing
-    moves but the skip count."""
-    return Step(
+    moves but the skip count (or the count of refused normalizers)."""
+    step = Step(
         enters=False,
         opens=False,
         closes=False,
@@ -198,6 +211,11 @@ def _left_out(window, micro_batch):
         loss_sum=window.loss_sum.value,
         skipped=ops.add(window.skipped.value, 1),
     )
+    if micro_batch.refused is not None:
+        refused = ops.cast(micro_batch.refused, "int32")
+        step.skipped = ops.subtract(step.skipped, refused)
+        step.refused = ops.add(window.refused.value, refused)
+    return step
 
 
 def _noise_sums(window, opens, squares, micro_batch, agreed, replicas):
