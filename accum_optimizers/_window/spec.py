@@ -5,9 +5,9 @@ variables before `build` (`iterations`, and `learning_rate` when it is a
 float), those the parent's `build` adds (moments, EMA averages), then, when
 the optimizer has a window, the variables of `WINDOW_STATE` (less the noise
 scale's, unless it measures it: `window_state`), one sum per trainable
-variable, then the window variables made `after_sums`. `build` creates them from this declaration into a `Window`;
-saving writes every variable as it is, and restoring (`restore.py`) reads
-them back by position.
+variable, then the window variables made `after_sums`. `build` creates
+them from this declaration into a `Window`; saving writes every variable
+as it is, and restoring (`restore.py`) reads them back by position.
 """
 
 import dataclasses
