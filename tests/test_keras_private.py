@@ -676,6 +676,10 @@ def test_wrappers_taking_an_optimizer_are_those_setting_its_scale_factor():
 
 
 @pytest.mark.backends("tensorflow")
+@pytest.mark.skipif(
+    not hasattr(keras.optimizers, "MultiOptimizer"),
+    reason="this Keras has no MultiOptimizer",
+)
 def test_tensorflow_tracking_initializes_the_optimizer_a_loss_scale_takes():
     # TensorFlow's `__setattr__` skips a `loss_scale_factor` set to the
     # value an optimizer holds: a `MultiOptimizer` meets the loss scale
