@@ -190,11 +190,11 @@ ARGUMENTS = (
         {parent}'s update, once per window) with XLA, as `tf.keras`
         optimizers compiled their update: a few fused loops instead of a
         kernel and a temporary per element-wise operation. Compiling
-        costs each traced train step (the first `fit`) about 65 ms per
-        variable on 2 CPU cores, whatever its size (196 variables: +13
-        s); each window then saves a few microseconds per variable and
-        about 2 ns per parameter. `"auto"` compiles it where that repays
-        the compile within about 1,000 windows: where the variables hold
+        costs each traced train step (the first `fit`) about 30 ms per
+        variable on 2 CPU cores, whatever its size (196 variables: +5
+        s); each window then saves about 2 ns per parameter. `"auto"`
+        compiles it where that repays the compile within about 500
+        windows: where the variables hold
         at least 131,072 parameters (`2**17`; below that, on a CPU,
         launching the computation costs more than the fusion saves) and
         30,000 per variable on average (not a model of many small

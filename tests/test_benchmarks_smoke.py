@@ -325,3 +325,4 @@ def test_compile_cost_prints_each_fit_and_what_auto_chose(capsys):
     # A one-layer model of 17 K parameters: "auto" leaves it uncompiled.
     assert '| jit_compile="auto" (= False) |' in out
     assert all(float(row.split(" | ")[1]) > 0 for row in rows[1:])
+    assert "the closing call, median of 1 windows: " in out

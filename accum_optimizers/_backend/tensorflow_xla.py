@@ -20,25 +20,19 @@ def compiled_close(close, window, jit_compile):
 # it, on a CPU, launching the XLA computation costs more than its fusion
 # saves.
 AUTO_COMPILED_PARAMETERS = 2**17
-# What a compiled close costs and saves, Adam on 2 CPU cores, nothing else
-# running (`benchmarks.compile_cost`, `window_steps --compiled-close`):
-# XLA's compile time grows with the number of variables (a GPT2-shaped
-# model's first `fit`: +12.8 s for 196 variables), not their size;
-COMPILE_SECONDS_PER_VARIABLE = 0.065
-# each window saves TensorFlow's kernel launches per variable (60 Dense
-# layers of 64, under load: 23 us a window against 335 ms of compile),
-SAVED_SECONDS_PER_VARIABLE = 5e-6
-# and its temporaries' memory traffic per parameter (MLPs of 0.2-0.4 M).
+# What a compiled close costs and saves on a CPU (`benchmarks.compile_cost`,
+# `benchmarks.window_steps --compiled-close`): XLA's compile, on the first
+# trace, grows with the number of variables, not their size;
+COMPILE_SECONDS_PER_VARIABLE = 0.03
+# each window then saves the temporaries' memory traffic, per parameter.
 SAVED_SECONDS_PER_PARAMETER = 2e-9
 # "auto" compiles a close that repays its compile within this many windows
 # (a short `fit` need not pay for what only a long run gets back),
-AUTO_PAYBACK_WINDOWS = 1000
-# which is one of at least this many parameters per variable (30,000).
+AUTO_PAYBACK_WINDOWS = 500
+# that is, one of at least this many parameters per variable (30,000).
 AUTO_PARAMETERS_PER_VARIABLE = round(
-    (
-        COMPILE_SECONDS_PER_VARIABLE / AUTO_PAYBACK_WINDOWS
-        - SAVED_SECONDS_PER_VARIABLE
-    )
+    COMPILE_SECONDS_PER_VARIABLE
+    / AUTO_PAYBACK_WINDOWS
     / SAVED_SECONDS_PER_PARAMETER
 )
 
