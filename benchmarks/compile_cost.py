@@ -2,7 +2,8 @@
 `fit` and saves the later ones, on a GPT2-shaped model.
 
     KERAS_BACKEND=tensorflow python -m benchmarks.compile_cost
-        [--rounds 2] [--micro-batches 16] [--layers 12] [--width 256]
+        [--rounds 2] [--micro-batches 16] [--windows 40] [--layers 12]
+        [--width 256]
     KERAS_BACKEND=tensorflow python -m benchmarks.compile_cost --smoke
 
 Builds keras_hub's `GPT2CausalLM` from a backbone config (no download,
@@ -12,15 +13,16 @@ parameters) and, in each of `--rounds` rounds, each configuration in turn
 `Adam` at the micro-batch, and `AdamAccumulate(accum_iters=4)` with
 `jit_compile=False` and `True`. Times its first `fit` (the train step
 traced, the close compiled where it is) and a second one, each of
-`--micro-batches` micro-batches; then the call that closes a window alone,
-compiled and not, the two alternating over `--windows` windows (the
-later fits' few windows vary more between rounds than the close saves). `jit_compile="auto"` is one of the two
-on a given model (`accum_optimizers._backend.tensorflow_xla.auto_compiles`
-says which): its row is that one's, not timed again. Prints the median
-over the rounds of each, and against `jit_compile=False`: the first fit's
-extra seconds, what each later micro-step saves, and after how many
-windows compiling has paid back. `--smoke`: a one-layer model of width
-8, one round of 4 micro-batches (the tests).
+`--micro-batches` micro-batches; then the call that closes a window
+alone, compiled and not, the two alternating over `--windows` windows (a
+later fit's few windows vary more between rounds than the close saves).
+`jit_compile="auto"` is one of the two on a given model
+(`accum_optimizers._backend.tensorflow_xla.auto_compiles` says which): its
+row is that one's, not timed again. Prints the median over the rounds of
+each, against `jit_compile=False`: the first fit's extra seconds, what
+each window saves, and after how many windows compiling has paid back.
+`--smoke`: a one-layer model of width 8, one round of 4 micro-batches
+(the tests).
 """
 
 import argparse
