@@ -121,9 +121,7 @@ def fit_times(args, config, x, y):
     seconds = []
     for _ in range(2):
         start = time.perf_counter()
-        model.fit(
-            x, y, batch_size=args.micro_batch, shuffle=False, verbose=0
-        )
+        model.fit(x, y, batch_size=args.micro_batch, shuffle=False, verbose=0)
         seconds.append(time.perf_counter() - start)
     return seconds
 
