@@ -20,8 +20,7 @@ from accum_optimizers import _inputs
 # left in place, records each call's arguments in a thread that records
 # (`_inputs.record_loss_reductions`), from which `weighting.py` reads the
 # count the loss was divided by, with Keras' own `apply_mask` and
-# `squeeze_or_expand_to_same_rank`. `Trainer._compute_loss_has_training_arg`
-# says whether `compute_loss` takes `training`.
+# `squeeze_or_expand_to_same_rank`.
 
 LOSS_MODULE_FUNCTIONS = (
     "reduce_weighted_values",
@@ -30,14 +29,15 @@ LOSS_MODULE_FUNCTIONS = (
     "standardize_reduction",
 )
 
+# Of a model (the ones `weigh_micro_batches` and `FlushAccumulation` use
+# are `objects.MODEL_ATTRIBUTES`); on JAX, after a `fit` step, also
+# `JAX_TRAINER_ATTRIBUTES`.
 TRAINER_ATTRIBUTES = (
-    "_compute_loss_has_training_arg",
-    # `FlushAccumulation` (callbacks.py): every backend's `fit` calls it
-    # after an epoch's last train step, before validation.
-    "_get_metrics_result_or_logs",
-    # `sublayers` below.
     "_flatten_layers",
+    "_symbolic_build",
+    "_compile_config",
 )
+JAX_TRAINER_ATTRIBUTES = ("_jax_state", "_jax_state_synced")
 
 
 def sublayers(layer):
