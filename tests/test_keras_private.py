@@ -574,6 +574,8 @@ def test_compute_loss_has_training_arg_reads_the_signature():
 
 def test_recorded_loss_reductions_see_keras_losses_of_this_thread_only():
     module = _keras_private.loss_module()
+    keras_function = module.reduce_weighted_values
+    assert keras_function.__module__ == module.__name__, VERSION
     loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
     args = (keras.ops.ones((3, 2)), keras.ops.zeros((3, 2)), [1.0, 2.0, 0.5])
     elsewhere = []
@@ -585,17 +587,42 @@ def test_recorded_loss_reductions_see_keras_losses_of_this_thread_only():
         inside = loss(*args)
     assert [r.reduction for r in records] == ["mean_with_sample_weight"]
     assert tuple(records[0].values.shape) == (3,), VERSION
-    # The wrapper stays, installed once, and passes through outside.
-    wrapper = module.reduce_weighted_values
-    with _keras_private.recorded_loss_reductions():
-        pass
-    assert module.reduce_weighted_values is wrapper, VERSION
+    # Keras' function is back once no recording runs.
+    assert module.reduce_weighted_values is keras_function, VERSION
     outside = loss(*args)
     assert len(records) == 1, VERSION
     for value in (elsewhere[0], outside):
         assert float(keras.ops.convert_to_numpy(value)) == float(
             keras.ops.convert_to_numpy(inside)
         )
+
+
+def test_recordings_in_two_threads_keep_the_wrapper_until_both_end():
+    module = _keras_private.loss_module()
+    keras_function = module.reduce_weighted_values
+    loss = keras.losses.MeanSquaredError()
+    args = (keras.ops.ones((2, 3)), keras.ops.zeros((2, 3)))
+    started, ended = threading.Event(), threading.Event()
+    other = []
+
+    def record_in_another_thread():
+        with _keras_private.recorded_loss_reductions() as records:
+            started.set()
+            ended.wait(60)
+            loss(*args)
+        other.append(records)
+
+    thread = threading.Thread(target=record_in_another_thread)
+    thread.start()
+    started.wait(60)
+    with _keras_private.recorded_loss_reductions() as records:
+        loss(*args)
+    # This thread's recording ended; the other one's still runs.
+    assert module.reduce_weighted_values is not keras_function, VERSION
+    ended.set()
+    thread.join()
+    assert module.reduce_weighted_values is keras_function, VERSION
+    assert [len(records), len(other[0])] == [1, 1], VERSION
 
 
 class _Recording(keras.optimizers.SGD):
