@@ -159,7 +159,9 @@ class GradientAccumulation:
             or self.accum_iters > 1
             or self.skip_nonfinite
             or self.measure_noise_scale
-            or schedules.keyed_on_samples(self._learning_rate)
+            or schedules.keyed_on_samples(
+                _keras_private.learning_rate_as_given(self)
+            )
         )
 
     @unconverted
@@ -268,7 +270,8 @@ class GradientAccumulation:
     def _update_mask(self, variable):
         if not self._update_masks:
             return None
-        return self._update_masks.get(self._get_variable_index(variable))
+        index = _keras_private.variable_index(self, variable)
+        return self._update_masks.get(index)
 
     def _all_reduce_sum_gradients(self, grads_and_vars):
         # Keras' TensorFlow optimizer all-reduces every `apply`'s gradients
@@ -284,7 +287,7 @@ class GradientAccumulation:
         updates."""
         grads, trainable_variables = zip(*grads_and_vars)
         self.apply(grads, trainable_variables, weight=weight, loss=loss)
-        return self._iterations
+        return _keras_private.iterations_variable(self)
 
     @unconverted
     def stateless_apply(
@@ -331,16 +334,17 @@ class GradientAccumulation:
         return step.weighed_loss(self, super().scale_loss(loss))
 
     def _get_current_learning_rate(self):
+        given = _keras_private.learning_rate_as_given(self)
         if adascale.uses_adascale(self):
             learning_rate = adascale.learning_rate(self)
-        elif schedules.keyed_on_samples(self._learning_rate):
-            learning_rate = self._learning_rate.at_samples(counts.samples(self))
+        elif schedules.keyed_on_samples(given):
+            learning_rate = given.at_samples(counts.samples(self))
         else:
             learning_rate = super()._get_current_learning_rate()
         if not self.decay:
             return learning_rate
         # Keras 2's time decay.
-        updates = ops.cast(self._iterations, "float32")
+        updates = ops.cast(_keras_private.iterations_variable(self), "float32")
         return ops.divide(
             ops.cast(learning_rate, "float32"),
             ops.add(1.0, ops.multiply(self.decay, updates)),

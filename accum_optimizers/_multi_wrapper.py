@@ -174,7 +174,7 @@ def _check_inner_calls(multi, grads, trainable_variables):
     if trainable_variables is None:
         if not multi.built:
             return
-        trainable_variables = multi._trainable_variables
+        trainable_variables = _keras_private.trainable_variables(multi)
     if not multi.built:
         multi.build(trainable_variables)  # as `apply` does first
     if len(grads) != len(trainable_variables):

@@ -212,7 +212,7 @@ def _saved_own_state(optimizer, pending):
     # A `MultiOptimizer`: its variables follow the loss scale's own.
     if all(pending_restore(o) is None for o in accumulating_optimizers(inner)):
         return None
-    return pending[: len(optimizer._variables) + 2]
+    return pending[: len(_keras_private.own_variables(optimizer)) + 2]
 
 
 def _noting_scale_loss(scale_loss):
@@ -245,7 +245,7 @@ def _saved_scale(optimizer):
         return None
     # `build` adds `step_counter`, then `dynamic_scale`, after the
     # variables the constructor made.
-    index = len(optimizer._variables) + 1
+    index = len(_keras_private.own_variables(optimizer)) + 1
     if len(saved) != index + 1 or np.shape(saved[index]) != ():
         return None  # `build` refuses the state, naming why
     return float(saved[index])

@@ -98,20 +98,19 @@ class FlushAccumulation(keras.callbacks.Callback):
         Keras' `fit` validates the epoch before `on_epoch_end`, and calls
         the callbacks' `on_epoch_end` in list order; a flush there would
         come after `val_loss` and after a `ModelCheckpoint` listed first.
-        Every backend's `fit` calls `model._get_metrics_result_or_logs`
-        right after the epoch's last train step (after JAX puts the
-        trained state back on the model) and before validation: the flush
-        runs there, whatever the number of steps.
+        Every backend's `fit` ends an epoch's training loop right after
+        its last train step (after JAX puts the trained state back on the
+        model) and before validation
+        (`_keras_private.call_before_epoch_logs`): the flush runs there,
+        whatever the number of steps.
         """
         model = self.model
-        original = model._get_metrics_result_or_logs
         original_evaluate = model.evaluate
 
-        def get_metrics_result_or_logs(logs):
+        def flush_if_due():
             if self._epoch_flush_due and not self._evaluating:
                 self._epoch_flush_due = False
                 self._flush()
-            return original(logs)
 
         def evaluate(*args, **kwargs):
             # An `evaluate` a callback runs mid-epoch does not end it.
@@ -121,14 +120,14 @@ class FlushAccumulation(keras.callbacks.Callback):
             finally:
                 self._evaluating -= 1
 
-        model._get_metrics_result_or_logs = get_metrics_result_or_logs
+        _keras_private.call_before_epoch_logs(model, flush_if_due)
         model.evaluate = evaluate
         self._hooked = model
 
     def _unhook_epoch_end(self) -> None:
         model = self.__dict__.pop("_hooked", None)
         if model is not None:
-            del model._get_metrics_result_or_logs
+            _keras_private.stop_calling_before_epoch_logs(model)
             del model.evaluate
 
     def on_epoch_begin(

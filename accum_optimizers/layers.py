@@ -138,13 +138,15 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         gamma = ops.cast(self.gamma, compute_dtype) if self.scale else None
         beta = ops.cast(self.beta, compute_dtype) if self.center else None
 
-        mean, variance = self._moments(inputs, mask)
+        mean, variance = _keras_private.batch_norm_moments(self, inputs, mask)
         if _keras_private.batch_norm_renorm(self):
-            r, d, mean, variance = self._renorm_correction_and_moments(
-                mean, variance
+            r, d, mean, variance = (
+                _keras_private.batch_norm_renorm_correction_and_moments(
+                    self, mean, variance
+                )
             )
-            gamma, beta = self._compose_transforms(
-                r, d, gamma, beta, compute_dtype
+            gamma, beta = _keras_private.batch_norm_compose_transforms(
+                self, r, d, gamma, beta, compute_dtype
             )
         self._add_to_window(inputs, mask, mean, variance)
 
@@ -226,7 +228,9 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             variables = [getattr(self, name) for name in names]
             # A copy: on torch a variable's tensor is updated in place.
             before = [ops.copy(v) for v in variables]
-            self._update_renorm_statistics(mean, variance)
+            _keras_private.batch_norm_update_renorm_statistics(
+                self, mean, variance
+            )
             for variable, old in zip(variables, before):
                 moved = ops.convert_to_tensor(variable)
                 variable.assign(ops.where(last, moved, old))
@@ -254,16 +258,17 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         if mask is None:
             shape = ops.shape(inputs)
             count = ops.ones((), dtype)
-            for axis in self._reduction_axes:
+            for axis in _keras_private.batch_norm_reduction_axes(self):
                 count = count * ops.cast(shape[axis], dtype)
             count = ops.broadcast_to(count, (inputs.shape[self.axis],))
             if self.synchronized:
                 count = _sum_over_replicas(count)
             return count
-        # The broadcast of BatchNormalization._moments for masks.
+        # The broadcast of Keras' moments for masks (`batch_norm_moments`).
         weights = ops.broadcast_to(ops.expand_dims(mask, -1), ops.shape(inputs))
         weights = ops.cast(ops.cast(weights, "bool"), dtype)
-        return ops.sum(weights, axis=self._reduction_axes)
+        axes = _keras_private.batch_norm_reduction_axes(self)
+        return ops.sum(weights, axis=axes)
 
     def get_config(self):
         return {**super().get_config(), "accum_iters": self.accum_iters}

@@ -137,9 +137,7 @@ def _keyword_list():
 
 
 def _docstring(optimizer_class):
-    parent = f"{optimizer_class.__module__}.{optimizer_class.__name__}"
-    if parent.startswith("keras.src.optimizers."):
-        parent = f"keras.optimizers.{optimizer_class.__name__}"
+    parent = _keras_private.public_name(optimizer_class)
     name = optimizer_class.__name__
     parent_args, parent_rest = _split_args(_parent_docstring(optimizer_class))
     return (

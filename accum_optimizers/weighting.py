@@ -72,7 +72,7 @@ def weigh_micro_batches(model):
     if weighs_micro_batches(model):
         return model
     compute_loss = model.compute_loss
-    takes_training = model._compute_loss_has_training_arg
+    takes_training = _keras_private.compute_loss_takes_training(model)
 
     def weighed_compute_loss(
         x=None, y=None, y_pred=None, sample_weight=None, training=True
@@ -114,7 +114,7 @@ def weigh_micro_batches(model):
         return loss
 
     model.compute_loss = weighed_compute_loss
-    model._compute_loss_has_training_arg = True
+    _keras_private.set_compute_loss_takes_training(model)
     _WEIGHED.add(model)
     # A train function traced before would keep the unweighted loss.
     model.train_function = None

@@ -2,8 +2,10 @@
 attribute of every class `keras.optimizers` exports (and of the Keras
 classes they inherit from) is the one Keras defined, and AutoGraph's
 conversion rules are TensorFlow's, also once a wrapper cooperates with an
-accumulating optimizer (which changes that instance only). Keras' own tests
-of the wrappers pass with every wrapper cooperating."""
+accumulating optimizer (which changes that instance only), and Keras' loss
+reduction is its own after `weigh_micro_batches` trained. Keras' own tests
+of the wrappers pass with every wrapper cooperating, and of its losses
+while their reductions are recorded."""
 
 import json
 import os
@@ -44,7 +46,10 @@ def conversion_rules():
     from tensorflow.python.autograph.core import config
     return config.CONVERSION_RULES
 
+from keras.src.losses import loss as loss_module
+
 before, rules = snapshot(), conversion_rules()
+reduction = loss_module.reduce_weighted_values
 import accum_optimizers
 
 # Cooperation met, used and saved: a loss scale, a MultiOptimizer.
@@ -59,6 +64,14 @@ if keras.backend.backend() != "jax":  # stateless only on JAX
 adam = accum_optimizers.AdamAccumulate(accum_iters=2)
 multi = keras.optimizers.MultiOptimizer(keras.optimizers.OptimizerMap(adam))
 multi.apply(grads, variables)
+# `weigh_micro_batches` in a `fit`: Keras' loss reduction is its own after.
+model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+model.compile(
+    optimizer=accum_optimizers.SGDAccumulate(accum_iters=2), loss="mse"
+)
+accum_optimizers.weigh_micro_batches(model)
+x, y = keras.ops.ones((4, 2)), keras.ops.ones((4, 1))
+model.fit(x, y, batch_size=2, verbose=0)
 after = snapshot()
 changed = sorted(
     f"{name}.{attribute}"
@@ -69,6 +82,7 @@ print(json.dumps({
     "classes": len(keras_classes()),
     "changed": changed,
     "rules_kept": conversion_rules() is rules,
+    "loss_reduction_kept": loss_module.reduce_weighted_values is reduction,
     "cooperating": [
         "apply" in vars(w) for w in (wrapper, multi)
     ],
@@ -96,6 +110,7 @@ def test_importing_and_cooperating_changes_no_keras_class_nor_autograph():
     assert found["classes"] > 10  # the optimizers and their bases
     assert found["changed"] == [], found["changed"]
     assert found["rules_kept"]
+    assert found["loss_reduction_kept"]
     assert found["cooperating"] == [True, True]  # the cooperation ran
 
 
@@ -135,3 +150,32 @@ def test_keras_own_wrapper_tests_pass_with_every_wrapper_cooperating(
         del os.environ["COOPERATING_WRAPPERS_FILE"]
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert made.read_text().split(), "no wrapper cooperated"
+
+
+def test_keras_own_loss_tests_pass_while_their_reductions_are_recorded(
+    tmp_path,
+):
+    path = pathlib.Path(keras.__file__).parent / "src" / "losses"
+    recorded = tmp_path / "recorded"
+    os.environ["RECORDED_REDUCTIONS_FILE"] = str(recorded)
+    try:
+        done = _run(
+            [
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-p",
+                "tests.keras_loss_plugin",
+                "--rootdir",
+                str(tmp_path),
+                "-c",
+                os.devnull,
+                str(path / "loss_test.py"),
+            ]
+        )
+    finally:
+        del os.environ["RECORDED_REDUCTIONS_FILE"]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert int(recorded.read_text()) > 0, "no reduction was recorded"

@@ -14,6 +14,7 @@ import contextlib
 
 from keras import ops
 
+from accum_optimizers import _keras_private
 from accum_optimizers._finite import all_finite
 from accum_optimizers._finite import masked
 from accum_optimizers._finite import sums_of_squares as _sums_of_squares
@@ -90,9 +91,9 @@ def targets(optimizer, window, grads):
     """`(sum, grad, overwrite)` per variable: `overwrite` for float8
     scales, whose window keeps a maximum."""
     return [
-        (total, grad, optimizer._overwrite_variable_with_gradient(v))
+        (total, grad, _keras_private.overwrites_with_gradient(optimizer, v))
         for total, grad, v in zip(
-            window.sums, grads, optimizer._trainable_variables
+            window.sums, grads, _keras_private.trainable_variables(optimizer)
         )
     ]
 

@@ -33,7 +33,8 @@ class WindowBackend(base.WindowBackend):
         if not _keras_private.is_jax_tracer(pred):
             return super().run_if(pred, fn)
         optimizer = self.optimizer
-        state = list(optimizer._trainable_variables) + optimizer.variables
+        variables = _keras_private.trainable_variables(optimizer)
+        state = list(variables) + optimizer.variables
 
         def taken(values):
             # `fn` assigns variables; a nested stateless scope seeded with

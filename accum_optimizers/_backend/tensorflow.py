@@ -245,7 +245,8 @@ _ROW = 1024
 def colocate(optimizer, reference):
     if reference is None:
         return contextlib.nullcontext()
-    return optimizer._distribution_strategy.extended.colocate_vars_with(
+    strategy = _keras_private.distribution_strategy(optimizer)
+    return strategy.extended.colocate_vars_with(
         getattr(reference, "value", reference)
     )
 
@@ -258,7 +259,7 @@ def replica_count(optimizer):
     # The optimizer's strategy, which Keras' losses divide by
     # (`scale_loss_for_distribution`): also where `flush` runs outside its
     # scope, the window's variables are its.
-    return optimizer._distribution_strategy.num_replicas_in_sync
+    return _keras_private.distribution_strategy(optimizer).num_replicas_in_sync
 
 
 def train_step_loss():

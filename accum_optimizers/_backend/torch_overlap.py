@@ -77,12 +77,12 @@ class Overlap:
         if pending + 1 < optimizer.current_accum_iters:
             return False
         overwritten = [
-            optimizer._overwrite_variable_with_gradient(variable)
-            for variable in optimizer._trainable_variables
+            _keras_private.overwrites_with_gradient(optimizer, variable)
+            for variable in _keras_private.trainable_variables(optimizer)
         ]
         summed = [i for i, over in enumerate(overwritten) if not over]
         return LastBackward(
-            optimizer._trainable_variables,
+            _keras_private.trainable_variables(optimizer),
             {i: optimizer._window.sums[i].value for i in summed},
             self.bucket_bytes,
             self.process_group,

@@ -1,34 +1,36 @@
 """Every private Keras (and backend) API this package relies on.
 
-A Keras upgrade is one review of this list; `tests/test_keras_private.py`
-exercises the behaviour relied on for each entry, not only its name, on
-every Keras that `.ci/run` installs. Differences between Keras versions are
-handled here (`versions.py`: the supported range, and the optimizers added
-after 3.10 in `OPTIMIZERS_ADDED_IN`) and nowhere else.
+Each is reached through a function here named for what it gives, and
+nowhere else; `docs/design.md` ("Keras' private names") says why each is
+needed, one line each. A Keras upgrade is one review of this package;
+`tests/test_keras_private.py` checks every listed name against the
+installed Keras (failing with its version), exercises the behaviour relied
+on, and scans the package for a private Keras name reached elsewhere.
+Differences between Keras versions are handled here (`versions.py`: the
+supported range, and the optimizers added after 3.10 in
+`OPTIMIZERS_ADDED_IN`) and nowhere else.
 
-`keras.optimizers.Optimizer`, used by the mixin (`_accumulation.py`) and
-the backend classes (`_backend/`):
+The names, by where they are:
 
-- `_iterations`: the update counter variable (the `iterations` property is
-  divided by Keras' own accumulation).
-- `_trainable_variables`, `_get_variable_index(variable)`,
-  `_check_variables_are_known(variables)`: the built variables, and the
-  index of each.
-- `_track_variable(variable)`: registers an optimizer variable.
-- `_overwrite_variable_with_gradient(variable)`: float8 scale variables,
-  overwritten with their "gradient".
-- `_get_current_learning_rate()`: the learning rate at `_iterations`.
-- `_apply_weight_decay(variables)`, `_use_weight_decay(variable)`: the
-  decoupled weight decay applied before `update_step`. `decay_weight`
-  applies it to one variable, in a branch, with
-  `keras.src.optimizers.base_optimizer.BaseOptimizer`'s decay where a
-  backend's override would `merge_call`.
-- TensorFlow: `_distribution_strategy` and `_all_reduce_sum_gradients`
-  (`keras/src/backend/tensorflow/optimizer.py`).
-- torch: `TorchOptimizer.__new__` swaps in the fused (`torch._foreach_*`)
-  variant of a Keras optimizer (`fused_class`).
+- `objects.py`: private attributes and methods of Keras' optimizers, their
+  wrappers, models and `BatchNormalization` (`OPTIMIZER_ATTRIBUTES`,
+  `MODEL_ATTRIBUTES`, `BATCH_NORMALIZATION_ATTRIBUTES`, ...), and the
+  private optimizer methods `GradientAccumulation` overrides
+  (`OVERRIDDEN_OPTIMIZER_METHODS`).
+- here: `MultiOptimizer`'s variable map (`multi_optimizer_groups`), a
+  variable's layout (`variable_layout`), the weight decay of one variable
+  (`decay_weight`), torch's fused classes (`fused_class`), and the
+  backends' internals: TensorFlow's `GraphOrParentsInXlaContext`,
+  `strategy_supports_no_merge_call` and XLA's barrier, `jax.core.Tracer`,
+  torch's in-place `_foreach_*` functions.
+- `training.py`: the loss reductions `weigh_micro_batches` records, the
+  trainer internals of `fit_to_memory`, and for `check_exactness` Keras'
+  global `SeedGenerator`, `Functional` models and `compile`'s unserialized
+  arguments.
+- `frames.py`: what is read from the calling frames, where Keras hands
+  nothing: a train step's loss, the wrappers taking an optimizer.
 
-Behaviour of Keras' optimizers and trainers:
+Behaviour of Keras' optimizers and trainers relied on (public names):
 
 - `stateless_apply` (JAX, torch) calls `self.apply` inside a
   `StatelessScope`, so the accumulating `apply` runs there too.
@@ -41,39 +43,16 @@ Behaviour of Keras' optimizers and trainers:
   wrapper met inside the step (a `MultiOptimizer` mapped by a function)
   handed no loss on: the step's `loss`, unscaled
   (`tensorflow_train_step_loss`).
-- `MultiOptimizer` (`optimizers`, `apply`, `scale_loss`; `_var_to_optimizer_idx`
-  and `_var_key`, which inner optimizer `apply` hands each gradient to:
-  `multi_optimizer_groups`) and `LossScaleOptimizer` (`inner_optimizer`,
-  `apply`, `stateless_apply`, `scale_loss`): an instance that takes an
-  accumulating optimizer cooperates with it (`_wrappers.py`), met where
-  their methods set its `loss_scale_factor` (`wrappers_taking_an_optimizer`:
+- `MultiOptimizer` (`optimizers`, `apply`, `scale_loss`) and
+  `LossScaleOptimizer` (`inner_optimizer`, `apply`, `stateless_apply`,
+  `scale_loss`): an instance that takes an accumulating optimizer
+  cooperates with it (`_wrappers.py`), met where their methods set its
+  `loss_scale_factor` (`wrappers_taking_an_optimizer`:
   `LossScaleOptimizer.__init__`, `build`; `MultiOptimizer.__init__`,
   `build`, its `loss_scale_factor` setter), the only time a wrapper hands
   an inner optimizer anything before training; on TensorFlow, a
   `MultiOptimizer` meets the `LossScaleOptimizer` that tracks it
   (`on_tensorflow_tracking`: TensorFlow's `_maybe_initialize_trackable`).
-
-`keras.Variable._layout`: a variable's `keras.distribution` layout, which
-the window's sums copy (`variable_layout`).
-
-Backend internals: TensorFlow's `control_flow_util.GraphOrParentsInXlaContext`
-and `tf.__internal__.distribute.strategy_supports_no_merge_call`;
-`jax.core.Tracer` (`is_jax_tracer`); torch's in-place `_foreach_*`
-functions (`TORCH_FOREACH_FUNCTIONS`).
-
-`keras.layers.BatchNormalization`, whose training branch's moving-statistics
-update `AccumBatchNormalization` (`layers.py`) replaces: `_reduction_axes`,
-`_moments(inputs, mask)`, and for `renorm=True`
-`_renorm_correction_and_moments`, `_compose_transforms` and
-`_update_renorm_statistics`, read with `batch_norm_renorm` (`renorm`
-arrived in Keras 3.14).
-
-The trainer side, in `training.py`: the loss internals of
-`weigh_micro_batches` (`LOSS_MODULE_FUNCTIONS`), the trainer internals of
-`fit_to_memory` (`symbolic_build` and JAX's `_jax_state`), and for
-`check_exactness` Keras' global `SeedGenerator`, `Functional` models
-(`is_functional`) and `compile`'s unserialized arguments
-(`compiled_loss_weights`).
 """
 
 import sys
@@ -136,30 +115,19 @@ def wrapper_optimizer_classes():
     )
 
 
-OPTIMIZER_ATTRIBUTES = (
-    "_iterations",
-    "_trainable_variables",
-    "_get_variable_index",
-    "_check_variables_are_known",
-    "_track_variable",
-    "_overwrite_variable_with_gradient",
-    "_get_current_learning_rate",
-    "_apply_weight_decay",
-    "_use_weight_decay",
-)
+MULTI_OPTIMIZER_ATTRIBUTES = ("_var_to_optimizer_idx", "_var_key")
 
-TENSORFLOW_OPTIMIZER_ATTRIBUTES = (
-    "_distribution_strategy",
-    "_all_reduce_sum_gradients",
-)
+VARIABLE_ATTRIBUTES = ("_layout",)
 
-BATCH_NORMALIZATION_ATTRIBUTES = (
-    "_reduction_axes",
-    "_moments",
-    "_renorm_correction_and_moments",
-    "_compose_transforms",
-    "_update_renorm_statistics",
-)
+
+def public_name(optimizer_class):
+    """`keras.optimizers.<Name>` for an optimizer class Keras defines (in
+    its private `keras.src.optimizers` package), else the class' module
+    and name."""
+    name = optimizer_class.__name__
+    if optimizer_class.__module__.startswith("keras.src.optimizers."):
+        return f"keras.optimizers.{name}"
+    return f"{optimizer_class.__module__}.{name}"
 
 
 def fused_class(optimizer_class):
@@ -190,8 +158,8 @@ def decay_weight(optimizer, variable):
     else:
         # A parent's own decay (Muon's) reads the `keras.Variable` (its
         # path), where TensorFlow's update passes its `tf.Variable`.
-        index = optimizer._get_variable_index(variable)
-        variable = optimizer._trainable_variables[index]
+        index = variable_index(optimizer, variable)
+        variable = trainable_variables(optimizer)[index]
     owner._apply_weight_decay(optimizer, [variable])
 
 
@@ -351,12 +319,48 @@ def strategy_needs_merge_call():
     )
 
 
+# Private attributes and methods of Keras objects (optimizers, models,
+# `BatchNormalization`) are in `objects.py`; its names are this module's too.
+from accum_optimizers._keras_private import objects as _objects  # noqa: E402
+
+OPTIMIZER_ATTRIBUTES = _objects.OPTIMIZER_ATTRIBUTES
+TENSORFLOW_OPTIMIZER_ATTRIBUTES = _objects.TENSORFLOW_OPTIMIZER_ATTRIBUTES
+OVERRIDDEN_OPTIMIZER_METHODS = _objects.OVERRIDDEN_OPTIMIZER_METHODS
+OVERRIDDEN_TENSORFLOW_OPTIMIZER_METHODS = (
+    _objects.OVERRIDDEN_TENSORFLOW_OPTIMIZER_METHODS
+)
+MODEL_ATTRIBUTES = _objects.MODEL_ATTRIBUTES
+BATCH_NORMALIZATION_ATTRIBUTES = _objects.BATCH_NORMALIZATION_ATTRIBUTES
+iterations_variable = _objects.iterations_variable
+learning_rate_as_given = _objects.learning_rate_as_given
+trainable_variables = _objects.trainable_variables
+own_variables = _objects.own_variables
+variable_index = _objects.variable_index
+check_variables_are_known = _objects.check_variables_are_known
+track_variable = _objects.track_variable
+overwrites_with_gradient = _objects.overwrites_with_gradient
+distribution_strategy = _objects.distribution_strategy
+compute_loss_takes_training = _objects.compute_loss_takes_training
+set_compute_loss_takes_training = _objects.set_compute_loss_takes_training
+call_before_epoch_logs = _objects.call_before_epoch_logs
+stop_calling_before_epoch_logs = _objects.stop_calling_before_epoch_logs
+batch_norm_reduction_axes = _objects.batch_norm_reduction_axes
+batch_norm_moments = _objects.batch_norm_moments
+batch_norm_renorm_correction_and_moments = (
+    _objects.batch_norm_renorm_correction_and_moments
+)
+batch_norm_compose_transforms = _objects.batch_norm_compose_transforms
+batch_norm_update_renorm_statistics = (
+    _objects.batch_norm_update_renorm_statistics
+)
+
 # The trainer side (loss reductions, `fit` internals, global random state)
 # is in `training.py`; its names are this module's too.
 from accum_optimizers._keras_private import training as _training  # noqa: E402
 
 LOSS_MODULE_FUNCTIONS = _training.LOSS_MODULE_FUNCTIONS
 TRAINER_ATTRIBUTES = _training.TRAINER_ATTRIBUTES
+JAX_TRAINER_ATTRIBUTES = _training.JAX_TRAINER_ATTRIBUTES
 sublayers = _training.sublayers
 LossReduction = _training.LossReduction
 loss_module = _training.loss_module

@@ -6,6 +6,7 @@ there."""
 
 import contextlib
 import dataclasses
+import threading
 from typing import Any
 
 import keras
@@ -16,12 +17,18 @@ from accum_optimizers import _inputs
 #
 # Keras' `Loss.__call__` reduces through the module function
 # `keras.src.losses.loss.reduce_weighted_values(values, sample_weight, mask,
-# reduction, dtype)`; a wrapper of it, installed by the first recording and
-# left in place, records each call's arguments in a thread that records
-# (`_inputs.record_loss_reductions`), from which `weighting.py` reads the
-# count the loss was divided by, with Keras' own `apply_mask` and
-# `squeeze_or_expand_to_same_rank`. `Trainer._compute_loss_has_training_arg`
-# says whether `compute_loss` takes `training`.
+# reduction, dtype)`, the one place where the count a loss is divided by is
+# known (its values after the loss function, the mask Keras derives from
+# the predictions and the loss values, the sample weights it got), for any
+# Keras loss a `compute_loss` computes, compiled or its own. Keras hands it
+# to nothing else, and the trainers hand the optimizer only gradients. So
+# `recorded_loss_reductions` puts a wrapper in its place, only while a
+# recording runs in some thread (the first recording installs it, the last
+# to end puts Keras' function back); it records each call's arguments in a
+# thread that records (`_inputs.record_loss_reductions`), and passes every
+# call through to Keras' function unchanged. `weighting.py` reads the
+# count from them, with Keras' own `apply_mask` and
+# `squeeze_or_expand_to_same_rank`.
 
 LOSS_MODULE_FUNCTIONS = (
     "reduce_weighted_values",
@@ -30,14 +37,15 @@ LOSS_MODULE_FUNCTIONS = (
     "standardize_reduction",
 )
 
+# Of a model (the ones `weigh_micro_batches` and `FlushAccumulation` use
+# are `objects.MODEL_ATTRIBUTES`); on JAX, after a `fit` step, also
+# `JAX_TRAINER_ATTRIBUTES`.
 TRAINER_ATTRIBUTES = (
-    "_compute_loss_has_training_arg",
-    # `FlushAccumulation` (callbacks.py): every backend's `fit` calls it
-    # after an epoch's last train step, before validation.
-    "_get_metrics_result_or_logs",
-    # `sublayers` below.
     "_flatten_layers",
+    "_symbolic_build",
+    "_compile_config",
 )
+JAX_TRAINER_ATTRIBUTES = ("_jax_state", "_jax_state_synced")
 
 
 def sublayers(layer):
@@ -68,31 +76,47 @@ def loss_module():
 def recorded_loss_reductions():
     """Context that yields the list of `LossReduction`s of the Keras losses
     computed inside it, in this thread."""
-    _record_loss_reductions_in(loss_module())
-    with _inputs.record_loss_reductions() as records:
-        yield records
+    module = loss_module()
+    _start_recording(module)
+    try:
+        with _inputs.record_loss_reductions() as records:
+            yield records
+    finally:
+        _stop_recording(module)
 
 
-def _record_loss_reductions_in(module):
-    """Wraps `module.reduce_weighted_values`, once and for good.
+# How many recordings run (in all threads), and Keras' function while they
+# do: a thread that is not recording passes through the wrapper meanwhile.
+_RECORDINGS = {"count": 0, "keras": None, "wrapper": None}
+_RECORDINGS_LOCK = threading.Lock()
 
-    The wrapper passes through in a thread that is not recording, so it
-    is never taken off: taking it off as one thread's recording ends would
-    leave another thread's recording without it.
-    """
-    reduce_weighted_values = module.reduce_weighted_values
-    # One read decides: a thread that finds the wrapper leaves it, and two
-    # threads that both find Keras' function wrap that same function.
-    if getattr(reduce_weighted_values, "records_loss_reductions", False):
-        return
-    module.reduce_weighted_values = _recording(reduce_weighted_values)
+
+def _start_recording(module):
+    with _RECORDINGS_LOCK:
+        if _RECORDINGS["count"] == 0:
+            original = module.reduce_weighted_values
+            wrapper = _recording(original)
+            _RECORDINGS.update(keras=original, wrapper=wrapper)
+            module.reduce_weighted_values = wrapper
+        _RECORDINGS["count"] += 1
+
+
+def _stop_recording(module):
+    with _RECORDINGS_LOCK:
+        _RECORDINGS["count"] -= 1
+        if _RECORDINGS["count"] == 0:
+            # Where another library wrapped ours since, it is left to it
+            # (ours passes through).
+            if module.reduce_weighted_values is _RECORDINGS["wrapper"]:
+                module.reduce_weighted_values = _RECORDINGS["keras"]
+            _RECORDINGS.update(keras=None, wrapper=None)
 
 
 def _recording(reduce_weighted_values):
     """`reduce_weighted_values` that adds its arguments, as a
     `LossReduction`, to this thread's recording, if any."""
 
-    def recording_reduce_weighted_values(
+    def recording(
         values,
         sample_weight=None,
         mask=None,
@@ -100,7 +124,8 @@ def _recording(reduce_weighted_values):
         dtype=None,
     ):
         records = _inputs.loss_reductions_recording()
-        if records is not None:
+        # A wrapper left inside another library's records no more.
+        if records is not None and _RECORDINGS["wrapper"] is recording:
             records.append(
                 LossReduction(values, sample_weight, mask, reduction, dtype)
             )
@@ -112,8 +137,7 @@ def _recording(reduce_weighted_values):
             dtype=dtype,
         )
 
-    recording_reduce_weighted_values.records_loss_reductions = True
-    return recording_reduce_weighted_values
+    return recording
 
 
 # -- Trainer internals used by `fit_to_memory` (`memory_fit.py`) -------------

@@ -14,13 +14,14 @@ import keras
 import numpy as np
 from keras import ops
 
+from accum_optimizers import _keras_private
 from accum_optimizers._adascale_schedule import is_adascale
 from accum_optimizers._window import counts
 
 
 def uses_adascale(optimizer):
     """Whether `optimizer`'s learning rate is an AdaScale one."""
-    return is_adascale(getattr(optimizer, "_learning_rate", None))
+    return is_adascale(_keras_private.learning_rate_as_given(optimizer))
 
 
 def check(optimizer):
@@ -35,7 +36,7 @@ def check(optimizer):
             "(`SGDAccumulate`): AdaScale's gain is derived for SGD with "
             "or without momentum, and measured only for it. Received: "
             f"{type(optimizer).__name__}(learning_rate="
-            f"{optimizer._learning_rate!r})"
+            f"{_keras_private.learning_rate_as_given(optimizer)!r})"
         )
 
 
@@ -51,7 +52,8 @@ def check_not_in_multi_optimizer(multi_optimizer):
     raise ValueError(
         f"MultiOptimizer '{multi_optimizer.name}': its optimizer "
         f"'{scaled[0].name}' has an AdaScale learning rate "
-        f"({scaled[0]._learning_rate!r}). AdaScale's gain is the whole "
+        f"({_keras_private.learning_rate_as_given(scaled[0])!r}). AdaScale's "
+        "gain is the whole "
         "model's (from the noise of the whole gradient), and an optimizer "
         "inside a MultiOptimizer measures only its own variables, so each "
         "would take a gain of its own. Use `learning_rate=adascale(...)` "
@@ -67,7 +69,8 @@ def check_measured(optimizer, measure):
         raise ValueError(
             "`learning_rate=adascale(...)` scales the learning rate by the "
             "measured noise scale: pass `measure_noise_scale=True` too. "
-            f"Received: learning_rate={optimizer._learning_rate!r}, "
+            "Received: learning_rate="
+            f"{_keras_private.learning_rate_as_given(optimizer)!r}, "
             f"measure_noise_scale={measure!r}"
         )
 
@@ -118,7 +121,7 @@ def close(optimizer, sq_norm, trace, window_weight):
     noise scale's unit, `window_weight`) from the averages (`noise.read`),
     before the parent's update reads the learning rate."""
     window = optimizer._window
-    schedule = optimizer._learning_rate
+    schedule = _keras_private.learning_rate_as_given(optimizer)
     window.adascale_gain.assign(
         gain(sq_norm, trace, window_weight, schedule.base_batch_size)
     )
@@ -172,7 +175,7 @@ def learning_rate(optimizer):
             last_gain = ops.where(
                 ops.greater(optimizer.iterations, 0), last_gain, 1.0
             )
-    return optimizer._learning_rate.at(step, last_gain)
+    return _keras_private.learning_rate_as_given(optimizer).at(step, last_gain)
 
 
 def start_at(window, updates):

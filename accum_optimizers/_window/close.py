@@ -15,6 +15,7 @@ from keras import backend
 from keras import ops
 
 from accum_optimizers import _backend
+from accum_optimizers import _keras_private
 from accum_optimizers._validation import concrete_value
 from accum_optimizers._window import adascale
 from accum_optimizers._window import counts
@@ -38,11 +39,11 @@ def close_window(optimizer, present=None):
             `flush`, which reads the mask.
     """
     window, backend = optimizer._window, optimizer._window_backend
-    variables = optimizer._trainable_variables
+    variables = _keras_private.trainable_variables(optimizer)
     summed = [
         i
         for i, variable in enumerate(variables)
-        if not optimizer._overwrite_variable_with_gradient(variable)
+        if not _keras_private.overwrites_with_gradient(optimizer, variable)
     ]
     # Read the counts here, inside the branch: under TensorFlow's XLA
     # loop, a tensor captured from outside costs every micro-step.
@@ -143,8 +144,10 @@ def flush(optimizer):
     backend.begin(flushing=True)
     finite = all(
         np.isfinite(ops.convert_to_numpy(total.value)).all()
-        for total, variable in zip(window.sums, optimizer._trainable_variables)
-        if not optimizer._overwrite_variable_with_gradient(variable)
+        for total, variable in zip(
+            window.sums, _keras_private.trainable_variables(optimizer)
+        )
+        if not _keras_private.overwrites_with_gradient(optimizer, variable)
     )
     if not backend.agree(finite):
         warnings.warn(

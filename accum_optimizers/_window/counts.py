@@ -7,6 +7,7 @@ built yet."""
 import numpy as np
 from keras import ops
 
+from accum_optimizers import _keras_private
 from accum_optimizers import schedules
 from accum_optimizers._validation import concrete_value
 from accum_optimizers._window import noise
@@ -36,7 +37,7 @@ def window_size(optimizer, key=None):
         elif schedules.keyed_on_samples(schedule):
             key = samples(optimizer)
         else:
-            key = optimizer._iterations.value
+            key = _keras_private.iterations_variable(optimizer).value
     return ops.cast(schedule(key), "int32")
 
 

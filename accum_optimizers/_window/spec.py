@@ -225,7 +225,7 @@ def _replica_local(
                 layout=_keras_private.variable_layout(reference),
                 name=name,
             )
-    optimizer._track_variable(variable)
+    _keras_private.track_variable(optimizer, variable)
     return variable
 
 

@@ -114,7 +114,7 @@ def laid_out(optimizer, grads, trainable_variables):
                 "must already be built. Call "
                 "`optimizer.build(trainable_variables)` first."
             )
-        variables = optimizer._trainable_variables
+        variables = _keras_private.trainable_variables(optimizer)
     else:
         variables = list(trainable_variables)
     if len(grads) != len(variables):
@@ -125,12 +125,13 @@ def laid_out(optimizer, grads, trainable_variables):
     if not optimizer.built:
         with keras.name_scope(optimizer.name, caller=optimizer):
             optimizer.build(variables)
-    optimizer._check_variables_are_known(variables)
-    grads_of_every_variable = [None] * len(optimizer._trainable_variables)
+    _keras_private.check_variables_are_known(optimizer, variables)
+    built = _keras_private.trainable_variables(optimizer)
+    grads_of_every_variable = [None] * len(built)
     for grad, variable in zip(grads, variables):
         if grad is not None:
             validate_gradient(grad, variable)
-            index = optimizer._get_variable_index(variable)
+            index = _keras_private.variable_index(optimizer, variable)
             grads_of_every_variable[index] = grad
     if all(grad is None for grad in grads_of_every_variable):
         raise ValueError("No gradients provided for any variable.")
