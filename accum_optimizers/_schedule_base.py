@@ -3,6 +3,10 @@
 other modules (`_noise_schedule.py`) derive from it without importing
 `schedules`, which exports them."""
 
+from __future__ import annotations
+
+from typing import Any
+
 
 class AccumSchedule:
     """Base class of accumulation schedules.
@@ -18,17 +22,17 @@ class AccumSchedule:
 
     min_accum_iters = 1
 
-    def __call__(self, update):
+    def __call__(self, update: Any) -> Any:
         raise NotImplementedError
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         raise NotImplementedError
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> AccumSchedule:
         return cls(**config)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         arguments = ", ".join(
             f"{name}={value!r}" for name, value in self.get_config().items()
         )

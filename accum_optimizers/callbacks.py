@@ -107,13 +107,13 @@ class FlushAccumulation(keras.callbacks.Callback):
         original = model._get_metrics_result_or_logs
         original_evaluate = model.evaluate
 
-        def get_metrics_result_or_logs(logs):
+        def get_metrics_result_or_logs(logs: Any) -> Any:
             if self._epoch_flush_due and not self._evaluating:
                 self._epoch_flush_due = False
                 self._flush()
             return original(logs)
 
-        def evaluate(*args, **kwargs):
+        def evaluate(*args: Any, **kwargs: Any) -> Any:
             # An `evaluate` a callback runs mid-epoch does not end it.
             self._evaluating += 1
             try:

@@ -72,6 +72,7 @@ class Run:
     test_accuracy: float = 0.0
 
     def flat_weights(self) -> np.ndarray:
+        """The trained model's weights, flattened into one array."""
         return _flatten(self.model.get_weights())
 
 
@@ -82,22 +83,26 @@ def _flatten(weights: Sequence[np.ndarray]) -> np.ndarray:
 class _RecordWeights(keras.callbacks.Callback):
     """Stores the flat weights after every `every`-th batch."""
 
-    def __init__(self, every: int, trajectory: list):
+    def __init__(self, every: int, trajectory: list) -> None:
         super().__init__()
         self.every = every
         self.trajectory = trajectory
         self.batches = 0
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: Optional[dict[str, Any]] = None) -> None:
         self.trajectory.append(_flatten(self.model.get_weights()))
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(
+        self, batch: int, logs: Optional[dict[str, Any]] = None
+    ) -> None:
         self.batches += 1
         if self.batches % self.every == 0:
             self.trajectory.append(_flatten(self.model.get_weights()))
 
 
-def load_digits(train_size: int):
+def load_digits(
+    train_size: int,
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
     """Returns `((x_train, y_train), (x_test, y_test))` from scikit-learn."""
     try:
         from sklearn.datasets import load_digits as sklearn_digits
@@ -125,7 +130,9 @@ def build_model(seed: int) -> keras.Model:
     )
 
 
-def cosine_schedule(updates: int):
+def cosine_schedule(
+    updates: int,
+) -> keras.optimizers.schedules.LearningRateSchedule:
     """Cosine decay from `LEARNING_RATE` to 0 over `updates` updates."""
     return keras.optimizers.schedules.CosineDecay(LEARNING_RATE, updates)
 
@@ -134,7 +141,7 @@ def train(
     label: str,
     optimizer: keras.optimizers.Optimizer,
     batch_size: int,
-    data,
+    data: tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
     epochs: int,
     seed: int,
     record_every: Optional[int] = None,
@@ -147,7 +154,7 @@ def train(
         loss="sparse_categorical_crossentropy",
         metrics=["accuracy"],
     )
-    trajectory = []
+    trajectory: list[np.ndarray] = []
     callbacks = []
     if record_every:
         callbacks.append(_RecordWeights(record_every, trajectory))
@@ -182,7 +189,7 @@ def compare(
     seed: int = 0,
     record: bool = False,
     train_images: int = TRAIN_IMAGES,
-) -> list:
+) -> list[Run]:
     """Trains the four runs; returns their `Run`s, the big batch first."""
     big_batch = accum_iters * micro_batch
     # Whole windows only: the training set is a multiple of the big batch.
@@ -240,7 +247,7 @@ def compare(
     ]
 
 
-def distances(runs: Sequence[Run]) -> list:
+def distances(runs: Sequence[Run]) -> list[float]:
     """Max |weight difference| of each run's final weights to the first's."""
     reference = runs[0].flat_weights()
     return [
@@ -343,7 +350,7 @@ def _quiet_python_logs() -> None:
     quiet_python_logger()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> list:
+def main(argv: Optional[Sequence[str]] = None) -> list[Run]:
     """Runs the demo; returns the four `Run`s, the big batch first."""
     args = parse_args(argv)
     _quiet_python_logs()
