@@ -204,6 +204,11 @@ class GradientAccumulation(_Optimizer):
                 an empty share).
             loss: Optional scalar: the micro-batch's loss (its mean, before
                 loss scaling), for `window_loss`; `fit` passes it itself.
+
+        Raises:
+            ValueError: a `weight` or `loss` that cannot be taken, a
+                gradient per variable missing, or no gradient at all; the
+                call then changes nothing.
         """
         if self._has_window:
             self._window_backend.begin()
@@ -317,9 +322,16 @@ class GradientAccumulation(_Optimizer):
         weight: Any = None,
         loss: Any = None,
     ) -> keras.Variable:
-        """`apply` on `(gradient, variable)` pairs; see `apply` for
-        `weight` and `loss`. Returns `iterations`, the number of applied
-        updates."""
+        """`apply` on `(gradient, variable)` pairs.
+
+        Args:
+            grads_and_vars: `(gradient, variable)` pairs.
+            weight: the micro-batch's weight, as `apply` takes it.
+            loss: the micro-batch's loss, as `apply` takes it.
+
+        Returns:
+            `iterations`, the number of applied updates.
+        """
         grads, trainable_variables = zip(*grads_and_vars)
         self.apply(grads, trainable_variables, weight=weight, loss=loss)
         return self._iterations
@@ -335,7 +347,18 @@ class GradientAccumulation(_Optimizer):
         loss: Any = None,
     ) -> tuple[list[Any], list[Any]]:
         """Keras' `stateless_apply` (JAX and torch), with `apply`'s
-        `weight` and `loss`."""
+        `weight` and `loss`.
+
+        Args:
+            optimizer_variables: the values of the optimizer's variables.
+            grads: one gradient (or `None`) per trainable variable.
+            trainable_variables: the values of the trainable variables.
+            weight: the micro-batch's weight, as `apply` takes it.
+            loss: the micro-batch's loss, as `apply` takes it.
+
+        Returns:
+            `(trainable_variables, optimizer_variables)`: their new values.
+        """
         if loss is not None:
             _inputs.put_loss(self, loss)
         if weight is not None:

@@ -125,6 +125,12 @@ class AdaScaleLearningRate(LearningRateSchedule):
         self.base_batch_size = plain_number(base_batch_size)
 
     def __call__(self, step: Any) -> Any:
+        """Refuses: only an accumulating optimizer evaluates it.
+
+        Raises:
+            TypeError: always; pass it to an accumulating optimizer with
+                `measure_noise_scale=True`.
+        """
         raise TypeError(
             "adascale(...) scales the learning rate by the gain of an "
             "accumulating optimizer's window; pass it as the "
@@ -133,8 +139,16 @@ class AdaScaleLearningRate(LearningRateSchedule):
         )
 
     def at(self, scale_invariant_step: Any, gain: Any) -> Any:
-        """`gain` times the base learning rate at `scale_invariant_step`
-        (float32 scalars)."""
+        """The learning rate of an update.
+
+        Args:
+            scale_invariant_step: `tau`, a float32 scalar.
+            gain: AdaScale's gain `r`, a float32 scalar.
+
+        Returns:
+            `gain` times the base learning rate at `scale_invariant_step`,
+            a float32 scalar.
+        """
         base = self.learning_rate
         if isinstance(base, LearningRateSchedule):
             base = base(scale_invariant_step)

@@ -65,8 +65,14 @@ def by_noise_scale(
 
 
 def keyed_on_noise_scale(schedule: Any) -> bool:
-    """Whether `schedule` (anything `accum_iters` takes) is keyed on the
-    measured noise scale."""
+    """Whether a schedule is keyed on the measured noise scale.
+
+    Args:
+        schedule: anything `accum_iters` takes.
+
+    Returns:
+        A bool.
+    """
     return isinstance(schedule, NoiseScaleAccumIters)
 
 

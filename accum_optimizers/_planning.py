@@ -73,6 +73,7 @@ class MicroBatchPlan:
 
     @property
     def accum_iters(self) -> int:
+        """Micro-batches per window, `ceil(target / micro)`."""
         return -(-self.target_batch_size // self.micro_batch_size)
 
     def __repr__(self) -> str:

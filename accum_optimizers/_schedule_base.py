@@ -23,13 +23,25 @@ class AccumSchedule:
     min_accum_iters = 1
 
     def __call__(self, update: Any) -> Any:
+        """The window size for the next update.
+
+        Args:
+            update: the number of applied updates: an int32 scalar tensor
+                or a Python int (the samples seen, a float32 scalar, for a
+                schedule passed to `by_samples`).
+
+        Returns:
+            An int32 scalar tensor >= 1.
+        """
         raise NotImplementedError
 
     def get_config(self) -> dict[str, Any]:
+        """The schedule's constructor arguments, for `from_config`."""
         raise NotImplementedError
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> AccumSchedule:
+        """The schedule `get_config` described: `cls(**config)`."""
         return cls(**config)
 
     def __repr__(self) -> str:

@@ -185,8 +185,14 @@ def by_samples(
 
 
 def keyed_on_samples(schedule: Any) -> bool:
-    """Whether `schedule` (anything `accum_iters` or `learning_rate`
-    takes) is keyed on the samples seen."""
+    """Whether a schedule is keyed on the samples seen (`by_samples`).
+
+    Args:
+        schedule: anything `accum_iters` or `learning_rate` takes.
+
+    Returns:
+        A bool.
+    """
     return isinstance(
         schedule, (SamplesAccumSchedule, SamplesLearningRateSchedule)
     )
@@ -259,6 +265,11 @@ class SamplesLearningRateSchedule(_KeyedOnSamples, LearningRateSchedule):
         self.schedule = schedule
 
     def __call__(self, step: Any) -> Any:
+        """Refuses: only an accumulating optimizer evaluates it.
+
+        Raises:
+            TypeError: always; pass it to an accumulating optimizer.
+        """
         raise TypeError(
             f"by_samples({type(self.schedule).__name__}) is keyed on the "
             "samples an accumulating optimizer counts; pass it as the "
@@ -267,7 +278,14 @@ class SamplesLearningRateSchedule(_KeyedOnSamples, LearningRateSchedule):
         )
 
     def at_samples(self, samples: Any) -> Any:
-        """The learning rate after `samples` samples (a float32 scalar)."""
+        """The learning rate after a number of samples.
+
+        Args:
+            samples: the samples seen, a float32 scalar.
+
+        Returns:
+            `schedule(samples)`.
+        """
         return self.schedule(samples)
 
 
