@@ -206,9 +206,10 @@ class GradientAccumulation(_Optimizer):
                 loss scaling), for `window_loss`; `fit` passes it itself.
 
         Raises:
-            ValueError: a `weight` or `loss` that cannot be taken, a
-                gradient per variable missing, or no gradient at all; the
-                call then changes nothing.
+            ValueError: a `weight` or `loss` that cannot be taken, not one
+                gradient per variable, a gradient whose shape is not its
+                variable's, or no gradient at all; the call then changes
+                nothing.
         """
         if self._has_window:
             self._window_backend.begin()
