@@ -7,6 +7,7 @@ exactly as their Keras parent would on a `k` times larger batch.
 """
 
 import sys as _sys
+from typing import Any as _Any
 
 # `python -m accum_optimizers.demo` (and `.check`) imports this package
 # first: quiet TensorFlow's start-up logs, and answer the demo's `--help`
@@ -85,7 +86,7 @@ __all__ = [
 __all__ += sorted(set(_optimizers.OPTIMIZER_CLASSES) - set(__all__))
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> _Any:
     # `accum_optimizers.ScheduleFreeAdamWAccumulate` on a Keras without
     # `ScheduleFreeAdamW`: say which Keras added it.
     if name in _optimizers.MISSING_OPTIMIZER_CLASSES:
@@ -109,7 +110,9 @@ class _MissingOptimizerFinder:
     """
 
     @staticmethod
-    def find_spec(fullname, path=None, target=None):
+    def find_spec(
+        fullname: str, path: _Any = None, target: _Any = None
+    ) -> None:
         package, _, name = fullname.rpartition(".")
         if (
             package == __name__

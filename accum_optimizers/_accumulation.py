@@ -16,6 +16,13 @@ raises changes nothing. With `accum_iters=1` the optimizer is the parent
 optimizer: no extra variables and the parent's own code path.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+from typing import Any
+from typing import Iterable
+from typing import Sequence
+
 import keras
 from keras import ops
 
@@ -45,11 +52,20 @@ class _ParentClass:
     `accumulating` gave (`_parent`). A descriptor, so that documentation
     tools reading the classes do not follow it into Keras."""
 
-    def __get__(self, optimizer, owner):
+    def __get__(
+        self, optimizer: object, owner: type
+    ) -> type[keras.optimizers.Optimizer] | None:
         return getattr(owner, "_parent", None)
 
 
-class GradientAccumulation:
+if TYPE_CHECKING:
+    # To a type checker the mixin is the Keras optimizer it comes before.
+    from keras.optimizers import Optimizer as _Optimizer
+else:
+    _Optimizer = object
+
+
+class GradientAccumulation(_Optimizer):
     """Mixin that makes a Keras optimizer accumulate gradients.
 
     Classes are made with `accum_optimizers.accumulating(parent)`, which
@@ -75,7 +91,7 @@ class GradientAccumulation:
 
     parent_class = _ParentClass()
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         accumulation = _args.checked(
             {name: kwargs.pop(name) for name in _args.NAMES if name in kwargs}
         )
@@ -100,10 +116,10 @@ class GradientAccumulation:
         self._refused_reported = 0
         # `{variable index: traced bool}` while a close updates variables
         # under their seen bit (`_apply_window_mean`).
-        self._update_masks = {}
+        self._update_masks: dict[int, Any] = {}
 
     @unconverted
-    def build(self, variables):
+    def build(self, variables: Sequence[keras.Variable]) -> None:
         if self.built:
             return
         # On TensorFlow, a `LossScaleOptimizer` around a `MultiOptimizer`
@@ -124,7 +140,7 @@ class GradientAccumulation:
             with _backend.outside_compiled_code():
                 restore.restore(self, list(pending))
 
-    def __setattr__(self, name, value):
+    def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
         # Keras' wrappers set it as they take an inner optimizer (to the
         # value it may already hold, which TensorFlow's tracking then does
@@ -134,21 +150,21 @@ class GradientAccumulation:
             _meet_wrappers()
 
     @property
-    def flush_at_train_end(self):
+    def flush_at_train_end(self) -> bool:
         """Whether something flushes the pending window when training
         ends (see the class docstring)."""
         return _fit_scope.read(self)
 
     @flush_at_train_end.setter
-    def flush_at_train_end(self, value):
+    def flush_at_train_end(self, value: bool) -> None:
         _fit_scope.set_by_hand(self, value)
 
     @property
-    def _accum_schedule(self):
+    def _accum_schedule(self) -> schedules.AccumSchedule | None:
         return counts.schedule_of(self.accum_iters)
 
     @property
-    def _has_window(self):
+    def _has_window(self) -> bool:
         """Whether the optimizer keeps a window (decided when it is built):
         for `accum_iters > 1`, to skip, to measure, to count samples."""
         layout = self.__dict__.get("_accum_layout")
@@ -165,7 +181,14 @@ class GradientAccumulation:
         )
 
     @unconverted
-    def apply(self, grads, trainable_variables=None, *, weight=None, loss=None):
+    def apply(
+        self,
+        grads: Sequence[Any],
+        trainable_variables: Sequence[keras.Variable] | None = None,
+        *,
+        weight: Any = None,
+        loss: Any = None,
+    ) -> None:
         """Adds a micro-batch's gradients to the window; updates the
         weights on the window's last micro-batch.
 
@@ -183,6 +206,12 @@ class GradientAccumulation:
                 an empty share).
             loss: Optional scalar: the micro-batch's loss (its mean, before
                 loss scaling), for `window_loss`; `fit` passes it itself.
+
+        Raises:
+            ValueError: a `weight` or `loss` that cannot be taken, not one
+                gradient per variable, a gradient whose shape is not its
+                variable's, or no gradient at all; the call then changes
+                nothing.
         """
         if self._has_window:
             self._window_backend.begin()
@@ -201,7 +230,7 @@ class GradientAccumulation:
                 with keras.name_scope(self.name, caller=self):
                     self._micro_step(grads, micro_batch)
 
-    def _micro_step(self, grads, micro_batch):
+    def _micro_step(self, grads: Sequence[Any], micro_batch: Any) -> None:
         """One micro-batch into the window: its new values computed, then
         committed, with the close on the window's last micro-step."""
         backend = self._window_backend
@@ -236,7 +265,12 @@ class GradientAccumulation:
                 lambda: close.close_window(self, new.present),
             )
 
-    def _apply_window_mean(self, grads, variables, masks):
+    def _apply_window_mean(
+        self,
+        grads: Sequence[Any],
+        variables: Sequence[keras.Variable],
+        masks: dict[int, Any],
+    ) -> None:
         """The parent's update with the window's mean; a variable whose
         index is in `masks` is updated only where its traced bool is true
         (`update_step`)."""
@@ -246,13 +280,15 @@ class GradientAccumulation:
         finally:
             self._update_masks = {}
 
-    def update_step(self, gradient, variable, learning_rate):
+    def update_step(
+        self, gradient: Any, variable: keras.Variable, learning_rate: Any
+    ) -> None:
         mask = self._update_mask(variable)
         parent_update_step = super().update_step
         if mask is None:
             return parent_update_step(gradient, variable, learning_rate)
 
-        def update():
+        def update() -> None:
             # Its weight decay too, which `_apply_weight_decay` left out:
             # Keras' own would `merge_call` inside this branch under
             # tf.distribute.
@@ -261,19 +297,21 @@ class GradientAccumulation:
 
         self._window_backend.run_if(mask, update)
 
-    def _apply_weight_decay(self, variables):
+    def _apply_weight_decay(self, variables: list[keras.Variable]) -> None:
         if self._update_masks:
             # Variables updated under a mask decay in their `update_step`.
             variables = [v for v in variables if self._update_mask(v) is None]
         super()._apply_weight_decay(variables)
 
-    def _update_mask(self, variable):
+    def _update_mask(self, variable: keras.Variable) -> Any:
         if not self._update_masks:
             return None
         index = _keras_private.variable_index(self, variable)
         return self._update_masks.get(index)
 
-    def _all_reduce_sum_gradients(self, grads_and_vars):
+    def _all_reduce_sum_gradients(
+        self, grads_and_vars: list[tuple[Any, keras.Variable]]
+    ) -> list[tuple[Any, keras.Variable]]:
         # Keras' TensorFlow optimizer all-reduces every `apply`'s gradients
         # here; a window's sums are all-reduced once, by its close.
         if not self._has_window:
@@ -281,10 +319,23 @@ class GradientAccumulation:
         return grads_and_vars
 
     @unconverted
-    def apply_gradients(self, grads_and_vars, *, weight=None, loss=None):
-        """`apply` on `(gradient, variable)` pairs; see `apply` for
-        `weight` and `loss`. Returns `iterations`, the number of applied
-        updates."""
+    def apply_gradients(
+        self,
+        grads_and_vars: Iterable[tuple[Any, keras.Variable]],
+        *,
+        weight: Any = None,
+        loss: Any = None,
+    ) -> keras.Variable:
+        """`apply` on `(gradient, variable)` pairs.
+
+        Args:
+            grads_and_vars: `(gradient, variable)` pairs.
+            weight: the micro-batch's weight, as `apply` takes it.
+            loss: the micro-batch's loss, as `apply` takes it.
+
+        Returns:
+            `iterations`, the number of applied updates.
+        """
         grads, trainable_variables = zip(*grads_and_vars)
         self.apply(grads, trainable_variables, weight=weight, loss=loss)
         return _keras_private.iterations_variable(self)
@@ -292,15 +343,26 @@ class GradientAccumulation:
     @unconverted
     def stateless_apply(
         self,
-        optimizer_variables,
-        grads,
-        trainable_variables,
+        optimizer_variables: Sequence[Any],
+        grads: Sequence[Any],
+        trainable_variables: Sequence[Any],
         *,
-        weight=None,
-        loss=None,
-    ):
+        weight: Any = None,
+        loss: Any = None,
+    ) -> tuple[list[Any], list[Any]]:
         """Keras' `stateless_apply` (JAX and torch), with `apply`'s
-        `weight` and `loss`."""
+        `weight` and `loss`.
+
+        Args:
+            optimizer_variables: the values of the optimizer's variables.
+            grads: one gradient (or `None`) per trainable variable.
+            trainable_variables: the values of the trainable variables.
+            weight: the micro-batch's weight, as `apply` takes it.
+            loss: the micro-batch's loss, as `apply` takes it.
+
+        Returns:
+            `(trainable_variables, optimizer_variables)`: their new values.
+        """
         if loss is not None:
             _inputs.put_loss(self, loss)
         if weight is not None:
@@ -313,7 +375,7 @@ class GradientAccumulation:
             _inputs.discard(self)  # left over only if it raised early
 
     @unconverted
-    def flush(self):
+    def flush(self) -> None:
         """Applies the pending partial window, if any, and starts a new one.
 
         A flushed window of `m` micro-batches of size `b` equals the parent
@@ -326,14 +388,14 @@ class GradientAccumulation:
         close.flush(self)
 
     @unconverted
-    def scale_loss(self, loss):
+    def scale_loss(self, loss: Any) -> Any:
         # `fit` calls this on the micro-batch's loss before differentiating
         # it: multiplying the loss by the micro-batch's weight weighs its
         # gradients for free, instead of multiplying every gradient.
         step.note_loss(self, loss)
         return step.weighed_loss(self, super().scale_loss(loss))
 
-    def _get_current_learning_rate(self):
+    def _get_current_learning_rate(self) -> Any:
         given = _keras_private.learning_rate_as_given(self)
         if adascale.uses_adascale(self):
             learning_rate = adascale.learning_rate(self)
@@ -351,7 +413,9 @@ class GradientAccumulation:
         )
 
     @unconverted
-    def finalize_variable_values(self, var_list):
+    def finalize_variable_values(
+        self, var_list: Sequence[keras.Variable]
+    ) -> None:
         # `fit` calls this once, at the end of training. The flag is this
         # `fit`'s alone, also where the check below raises.
         flushed = self.flush_at_train_end
@@ -360,43 +424,47 @@ class GradientAccumulation:
             close.check_end_of_fit(self, flushed)
         super().finalize_variable_values(var_list)
 
-    def load_own_variables(self, store):
+    def load_own_variables(self, store: dict[str, Any]) -> None:
         restore.load_own_variables(self, store, super().load_own_variables)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), **_args.config_of(self)}
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
+    def from_config(
+        cls,
+        config: dict[str, Any],
+        custom_objects: dict[str, Any] | None = None,
+    ) -> keras.optimizers.Optimizer:
         config = _args.loaded_config(cls, config, custom_objects)
         return super().from_config(config, custom_objects=custom_objects)
 
     @property
-    def current_accum_iters(self):
+    def current_accum_iters(self) -> int:
         """The window size now, as a Python int (`accum_iters`, or the
         schedule's value at the current number of applied updates)."""
         return int(ops.convert_to_numpy(counts.window_size(self)))
 
     @property
-    def micro_steps(self):
+    def micro_steps(self) -> Any:
         """Micro-batches held in the pending window, `0..accum_iters - 1`
         (`iterations` counts applied updates)."""
         return counts.read(self, lambda w: w.micro_steps, _zero_int)
 
     @property
-    def micro_batches_seen(self):
+    def micro_batches_seen(self) -> Any:
         """Micro-batches (`apply` calls) accumulated since creation (not
         those a `LossScaleOptimizer` drops before they reach it)."""
         return counts.read(self, lambda w: w.micro_batches, self._updates)
 
     @property
-    def skipped_micro_batches(self):
+    def skipped_micro_batches(self) -> Any:
         """Micro-batches left out of their window because their gradients
         were not finite (`skip_nonfinite=True`), since creation."""
         return counts.read(self, lambda w: w.skipped, _zero_int)
 
     @property
-    def refused_micro_batches(self):
+    def refused_micro_batches(self) -> Any:
         """Micro-batches left out of their window because compiled code
         refused their loss normalizer (`weigh_micro_batches`: negative, or
         not finite without `skip_nonfinite`), since creation; the end of
@@ -404,7 +472,7 @@ class GradientAccumulation:
         return counts.read(self, lambda w: w.refused, _zero_int)
 
     @property
-    def samples_seen(self):
+    def samples_seen(self) -> Any:
         """The total weight of the applied windows (float32): samples,
         tokens or sample weights when windows are weighted, micro-batches
         otherwise; `by_samples` schedules are keyed on it."""
@@ -413,7 +481,7 @@ class GradientAccumulation:
         return counts.samples(self)
 
     @property
-    def window_loss(self):
+    def window_loss(self) -> Any:
         """The last applied window's loss: its micro-batches' losses
         weighed as their gradients are, the big batch's loss (a custom
         loop passes `apply(..., loss=)`). NaN where a micro-batch came
@@ -421,19 +489,19 @@ class GradientAccumulation:
         return counts.read(self, lambda w: w.window_loss, _zero_float)
 
     @property
-    def window_grad_norm(self):
+    def window_grad_norm(self) -> Any:
         """The norm of the last applied window's mean gradient (before
         clipping), the big batch's; `0` before the first update, infinite
         where its weighted sums square past float32's range."""
         return counts.read(self, lambda w: w.window_grad_norm, _zero_float)
 
     @property
-    def last_apply_updated(self):
+    def last_apply_updated(self) -> Any:
         """Whether the last `apply` (or `flush`) updated the weights."""
         return counts.last_apply_updated(self)
 
     @property
-    def noise_scale(self):
+    def noise_scale(self) -> Any:
         """The gradient noise scale `B_simple = tr(Sigma) / |G|^2`: the
         ratio of the moving averages of the windows' estimates, in the unit
         of the window's weight. Infinite where the average `|G|^2` is not
@@ -442,14 +510,14 @@ class GradientAccumulation:
         return noise.read(self, "noise_scale")
 
     @property
-    def gradient_sq_norm(self):
+    def gradient_sq_norm(self) -> Any:
         """The moving average of the windows' unbiased estimates of
         `|G|^2`, the true gradient's squared norm (NaN before the first
         estimate, and where not measured)."""
         return noise.read(self, "gradient_sq_norm")
 
     @property
-    def gradient_noise_trace(self):
+    def gradient_noise_trace(self) -> Any:
         """The moving average of the windows' unbiased estimates of
         `tr(Sigma)`, the trace of the per-sample (per unit of weight)
         gradient covariance (NaN before the first estimate, and where not
@@ -457,40 +525,40 @@ class GradientAccumulation:
         return noise.read(self, "gradient_noise_trace")
 
     @property
-    def window_gradient_sq_norm(self):
+    def window_gradient_sq_norm(self) -> Any:
         """The last applied window's unbiased estimate of `|G|^2`: NaN for
         a window of one micro-batch, `0` before the first update."""
         return noise.read(self, "window_gradient_sq_norm")
 
     @property
-    def window_noise_trace(self):
+    def window_noise_trace(self) -> Any:
         """The last applied window's unbiased estimate of `tr(Sigma)`: NaN
         for a window of one micro-batch, `0` before the first update."""
         return noise.read(self, "window_noise_trace")
 
     @property
-    def adascale_gain(self):
+    def adascale_gain(self) -> Any:
         """AdaScale's gain `r` of the last update (`schedules.adascale`):
         in `[1, S]` for a window `S` times the base batch; NaN without an
         AdaScale learning rate, `0` before the first update."""
         return adascale.read(self, "adascale_gain")
 
     @property
-    def scale_invariant_step(self):
+    def scale_invariant_step(self) -> Any:
         """AdaScale's scale-invariant step: the base schedule's progress,
         the sum of the gains of the updates applied (NaN without an
         AdaScale learning rate)."""
         return adascale.read(self, "scale_invariant_step")
 
-    def _updates(self):
+    def _updates(self) -> Any:
         return self.iterations
 
 
-def _zero_int():
+def _zero_int() -> Any:
     return ops.zeros((), dtype="int32")
 
 
-def _zero_float():
+def _zero_float() -> Any:
     return ops.zeros((), dtype="float32")
 
 
@@ -502,7 +570,7 @@ if GradientAccumulation.__doc__:  # None under `python -OO`
     )
 
 
-def _meet_wrappers(building=False):
+def _meet_wrappers(building: bool = False) -> None:
     """Has the Keras wrappers taking the calling optimizer cooperate with
     it (`_wrappers.meet_wrappers`)."""
     from accum_optimizers import _wrappers

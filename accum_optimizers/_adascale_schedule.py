@@ -15,6 +15,10 @@ sample with `S` times fewer updates. `_window/adascale.py` computes `r` at
 each window's close.
 """
 
+from __future__ import annotations
+
+from typing import Any
+
 import keras
 from keras import ops
 from keras.optimizers.schedules import LearningRateSchedule
@@ -26,7 +30,9 @@ from accum_optimizers._validation import plain_number
 _PACKAGE = "accum_optimizers"
 
 
-def adascale(learning_rate, base_batch_size):
+def adascale(
+    learning_rate: float | LearningRateSchedule, base_batch_size: float
+) -> AdaScaleLearningRate:
     """Scales `learning_rate` with the window, by AdaScale's gain.
 
     Pass it as the `learning_rate` of `SGDAccumulate(...,
@@ -53,11 +59,17 @@ def adascale(learning_rate, base_batch_size):
 
     Returns:
         An `AdaScaleLearningRate`.
+
+    Raises:
+        TypeError: if `learning_rate` is itself AdaScale's or keyed on
+            samples (`by_samples`).
+        ValueError: if `learning_rate` or `base_batch_size` is not a
+            finite number in its range.
     """
     return AdaScaleLearningRate(learning_rate, base_batch_size)
 
 
-def is_adascale(learning_rate):
+def is_adascale(learning_rate: Any) -> bool:
     """Whether `learning_rate` (an optimizer's) is an AdaScale one."""
     return isinstance(learning_rate, AdaScaleLearningRate)
 
@@ -75,7 +87,11 @@ class AdaScaleLearningRate(LearningRateSchedule):
         base_batch_size: Number > 0, see `adascale`.
     """
 
-    def __init__(self, learning_rate, base_batch_size):
+    def __init__(
+        self,
+        learning_rate: float | LearningRateSchedule | dict[str, Any],
+        base_batch_size: float,
+    ) -> None:
         if isinstance(learning_rate, dict):
             learning_rate = keras.saving.deserialize_keras_object(learning_rate)
         # (A `by_samples` schedule is evaluated `at_samples`.)
@@ -108,7 +124,13 @@ class AdaScaleLearningRate(LearningRateSchedule):
         self.learning_rate = learning_rate
         self.base_batch_size = plain_number(base_batch_size)
 
-    def __call__(self, step):
+    def __call__(self, step: Any) -> Any:
+        """Refuses: only an accumulating optimizer evaluates it.
+
+        Raises:
+            TypeError: always; pass it to an accumulating optimizer with
+                `measure_noise_scale=True`.
+        """
         raise TypeError(
             "adascale(...) scales the learning rate by the gain of an "
             "accumulating optimizer's window; pass it as the "
@@ -116,15 +138,23 @@ class AdaScaleLearningRate(LearningRateSchedule):
             "`measure_noise_scale=True`, not of a plain Keras optimizer."
         )
 
-    def at(self, scale_invariant_step, gain):
-        """`gain` times the base learning rate at `scale_invariant_step`
-        (float32 scalars)."""
+    def at(self, scale_invariant_step: Any, gain: Any) -> Any:
+        """The learning rate of an update.
+
+        Args:
+            scale_invariant_step: `tau`, a float32 scalar.
+            gain: AdaScale's gain `r`, a float32 scalar.
+
+        Returns:
+            `gain` times the base learning rate at `scale_invariant_step`,
+            a float32 scalar.
+        """
         base = self.learning_rate
         if isinstance(base, LearningRateSchedule):
             base = base(scale_invariant_step)
         return ops.multiply(ops.cast(base, "float32"), gain)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         learning_rate = self.learning_rate
         if isinstance(learning_rate, LearningRateSchedule):
             learning_rate = keras.saving.serialize_keras_object(learning_rate)
@@ -133,7 +163,7 @@ class AdaScaleLearningRate(LearningRateSchedule):
             "base_batch_size": self.base_batch_size,
         }
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (
             f"adascale({self.learning_rate!r}, "
             f"base_batch_size={self.base_batch_size!r})"

@@ -39,6 +39,7 @@ class Argument:
             the optimizer cannot take it now (`_settable`).
         read: maps the optimizer to the attribute's value, where it is
             not the value kept (`lr` reads `learning_rate`).
+        annotation: its type, as the signature shows it.
     """
 
     name: str
@@ -47,7 +48,8 @@ class Argument:
     check: Callable[[Any], Any]
     in_config: bool = True
     settable: Callable[[Any, Any], Any] = _settable.taken
-    read: Callable[[Any], Any] = None
+    read: Callable[[Any], Any] | None = None
+    annotation: str = "Any"
 
 
 class Attribute:
@@ -132,6 +134,7 @@ ARGUMENTS = (
         exactly like {parent}.""",
         schedules.get,
         settable=_settable.accum_iters,
+        annotation="int | dict[int, int] | AccumSchedule",
     ),
     Argument(
         "skip_nonfinite",
@@ -146,6 +149,7 @@ ARGUMENTS = (
         counts them. Defaults to `False`.""",
         _bool_check("skip_nonfinite"),
         settable=_settable.skip_nonfinite,
+        annotation="bool",
     ),
     Argument(
         "measure_noise_scale",
@@ -159,6 +163,7 @@ ARGUMENTS = (
         `False`.""",
         _bool_check("measure_noise_scale"),
         settable=_settable.measure_noise_scale,
+        annotation="bool",
     ),
     Argument(
         "noise_scale_momentum",
@@ -170,6 +175,7 @@ ARGUMENTS = (
         total weight. Defaults to `0.99`.""",
         _check_noise_scale_momentum,
         settable=_settable.traced("noise_scale_momentum"),
+        annotation="float",
     ),
     Argument(
         "accumulator_dtype",
@@ -180,6 +186,7 @@ ARGUMENTS = (
         dtype otherwise. float16 sums refuse weighted windows.""",
         validate_accumulator_dtype,
         settable=_settable.accumulator_dtype,
+        annotation="str | None",
     ),
     Argument(
         "jit_compile",
@@ -209,6 +216,7 @@ ARGUMENTS = (
         `run_eagerly=True`). Defaults to `"auto"`.""",
         _check_jit_compile,
         settable=_settable.traced("jit_compile"),
+        annotation="bool | str",
     ),
     Argument(
         "lr",
@@ -219,6 +227,7 @@ ARGUMENTS = (
         in_config=False,
         settable=_settable.lr,
         read=lambda optimizer: optimizer.learning_rate,
+        annotation="float | LearningRateSchedule | None",
     ),
     Argument(
         "decay",
@@ -228,6 +237,7 @@ ARGUMENTS = (
         warns. Defaults to `None`.""",
         validate_decay,
         settable=_settable.traced("decay"),
+        annotation="float | None",
     ),
 )
 
@@ -257,6 +267,7 @@ def signature_parameters():
             argument.name,
             inspect.Parameter.KEYWORD_ONLY,
             default=argument.default,
+            annotation=argument.annotation,
         )
         for argument in ARGUMENTS
     ]

@@ -4,11 +4,12 @@ training calls than the weights."""
 
 import warnings
 import weakref
+from typing import Any
 
 # Every built `AccumBatchNormalization`, held weakly: an accumulating
 # optimizer built on its weights compares their windows once, when it is
 # built (`warn_of_other_windows`), at no cost per step.
-BUILT = weakref.WeakSet()
+BUILT: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def warn_of_other_windows(optimizer, variables):

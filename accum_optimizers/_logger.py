@@ -6,6 +6,7 @@ import warnings
 from typing import Any
 from typing import Optional
 from typing import Union
+from typing import cast
 
 import keras
 import numpy as np
@@ -152,10 +153,12 @@ class AccumulationLogger(keras.callbacks.Callback):
         # Keras may run batch-end callbacks in a thread while the next step
         # trains; only a logger that reads nothing there allows it.
         self.async_safe = self.update_freq == "epoch"
-        self._writer = None
+        self._writer: Any = None
         self._batches = 0
-        self._written = None
-        self.windows = {name: [] for name in _WINDOW_RECORD}
+        self._written: tuple[int, int] | None = None
+        self.windows: dict[str, list[Any]] = {
+            name: [] for name in _WINDOW_RECORD
+        }
 
     def _optimizer(self) -> keras.optimizers.Optimizer:
         """The accumulating optimizer whose counters are logged: the
@@ -183,7 +186,7 @@ class AccumulationLogger(keras.callbacks.Callback):
         self._batches = 0
         self._epoch_batches = 0
         self._written = None
-        self._record = _WINDOW_RECORD
+        self._record: tuple[str, ...] = _WINDOW_RECORD
         if measuring(accumulating_of_model(self.model, "AccumulationLogger")):
             self._record = _WINDOW_RECORD + _NOISE_RECORD
         if uses_adascale(self._optimizer()):
@@ -231,7 +234,8 @@ class AccumulationLogger(keras.callbacks.Callback):
         before = self._batches
         self._batches += batch + 1 - self._epoch_batches
         self._epoch_batches = batch + 1
-        if self._batches // self.update_freq > before // self.update_freq:
+        every = cast(int, self.update_freq)
+        if self._batches // every > before // every:
             self._log(logs, new_updates_only=True)
 
     def on_epoch_begin(
@@ -351,7 +355,7 @@ _ADASCALE_RECORD = ("adascale_gain", "scale_invariant_step")
 
 
 def _is_positive_int(value: Any) -> bool:
-    return (
+    return bool(
         isinstance(value, (int, np.integer))
         and not isinstance(value, (bool, np.bool_))
         and value >= 1

@@ -25,7 +25,7 @@ from accum_optimizers._window.step import laid_out
 from accum_optimizers._window.step import note_loss
 
 # The `MultiOptimizer`s `_warn_of_windows_apart` warned of; held weakly.
-_WARNED_WINDOWS_APART = weakref.WeakSet()
+_WARNED_WINDOWS_APART: weakref.WeakSet[object] = weakref.WeakSet()
 
 
 def is_accumulating_class(optimizer):

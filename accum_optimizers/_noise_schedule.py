@@ -1,6 +1,10 @@
 """Accumulation schedules keyed on the measured gradient noise scale
 (`by_noise_scale`); see `_window/noise.py` for the measurement."""
 
+from __future__ import annotations
+
+from typing import Any
+
 from keras import ops
 from keras.saving import register_keras_serializable
 
@@ -14,8 +18,12 @@ _PACKAGE = "accum_optimizers"
 
 
 def by_noise_scale(
-    micro_batch_size, floor=2, ceiling=64, grow_only=True, warmup_windows=20
-):
+    micro_batch_size: float,
+    floor: int = 2,
+    ceiling: int = 64,
+    grow_only: bool = True,
+    warmup_windows: int = 20,
+) -> NoiseScaleAccumIters:
     """An accumulation schedule that follows the measured noise scale.
 
     The window holds `ceil(noise_scale / micro_batch_size)` micro-batches,
@@ -45,15 +53,26 @@ def by_noise_scale(
 
     Returns:
         A `NoiseScaleAccumIters`, for `accum_iters`.
+
+    Raises:
+        TypeError: if `grow_only` is not a bool.
+        ValueError: if another argument is out of its range, named with
+            its value.
     """
     return NoiseScaleAccumIters(
         micro_batch_size, floor, ceiling, grow_only, warmup_windows
     )
 
 
-def keyed_on_noise_scale(schedule):
-    """Whether `schedule` (anything `accum_iters` takes) is keyed on the
-    measured noise scale."""
+def keyed_on_noise_scale(schedule: Any) -> bool:
+    """Whether a schedule is keyed on the measured noise scale.
+
+    Args:
+        schedule: anything `accum_iters` takes.
+
+    Returns:
+        A bool.
+    """
     return isinstance(schedule, NoiseScaleAccumIters)
 
 
@@ -76,12 +95,12 @@ class NoiseScaleAccumIters(AccumSchedule):
 
     def __init__(
         self,
-        micro_batch_size,
-        floor=2,
-        ceiling=64,
-        grow_only=True,
-        warmup_windows=20,
-    ):
+        micro_batch_size: float,
+        floor: int = 2,
+        ceiling: int = 64,
+        grow_only: bool = True,
+        warmup_windows: int = 20,
+    ) -> None:
         if not is_real_number(micro_batch_size) or not (
             0 < micro_batch_size < float("inf")
         ):
@@ -115,14 +134,14 @@ class NoiseScaleAccumIters(AccumSchedule):
         self.grow_only = grow_only
         self.min_accum_iters = self.floor
 
-    def __call__(self, noise_scale):
+    def __call__(self, noise_scale: Any) -> Any:
         noise_scale = ops.cast(noise_scale, "float32")
         windows = ops.divide(noise_scale, float(self.micro_batch_size))
         windows = ops.where(ops.isnan(windows), float(self.floor), windows)
         windows = ops.clip(windows, float(self.floor), float(self.ceiling))
         return ops.cast(ops.ceil(windows), "int32")
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {
             "micro_batch_size": self.micro_batch_size,
             "floor": self.floor,

@@ -2,7 +2,13 @@
 `MicroBatchPlan` it returns (see `memory_fit` for what `fit_to_memory` does
 with it)."""
 
+from __future__ import annotations
+
 import warnings
+from typing import Any
+from typing import Callable
+from typing import Iterable
+from typing import Sequence
 
 import keras
 import numpy as np
@@ -50,26 +56,27 @@ class MicroBatchPlan:
 
     def __init__(
         self,
-        target_batch_size,
-        micro_batch_size,
-        peak_bytes=None,
-        memory_limit=None,
-        method="given",
-        probes=(),
-    ):
+        target_batch_size: int,
+        micro_batch_size: int,
+        peak_bytes: int | None = None,
+        memory_limit: int | None = None,
+        method: str = "given",
+        probes: Iterable[tuple[int, bool, int | None]] = (),
+    ) -> None:
         self.target_batch_size = target_batch_size
         self.micro_batch_size = micro_batch_size
         self.peak_bytes = peak_bytes
         self.memory_limit = memory_limit
         self.method = method
         self.probes = list(probes)
-        self.recoveries = []
+        self.recoveries: list[tuple[int, int, int, int]] = []
 
     @property
-    def accum_iters(self):
+    def accum_iters(self) -> int:
+        """Micro-batches per window, `ceil(target / micro)`."""
         return -(-self.target_batch_size // self.micro_batch_size)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         peak = (
             "unknown"
             if self.peak_bytes is None
@@ -89,15 +96,15 @@ class MicroBatchPlan:
 
 
 def plan_micro_batch(
-    model,
-    x,
-    y=None,
+    model: keras.Model,
+    x: Any,
+    y: Any = None,
     *,
-    target_batch_size,
-    sample_weight=None,
-    memory_limit=None,
-    micro_batch_size=None,
-):
+    target_batch_size: int,
+    sample_weight: Any = None,
+    memory_limit: int | str | None = None,
+    micro_batch_size: int | None = None,
+) -> MicroBatchPlan:
     """Finds the largest micro-batch whose train step fits in memory.
 
     Sets `accum_iters` of the model's accumulating optimizer(s) to
@@ -127,6 +134,14 @@ def plan_micro_batch(
 
     Returns:
         A `MicroBatchPlan`.
+
+    Raises:
+        TypeError: if `model` is not a `keras.Model`, or a size is not an
+            integer.
+        ValueError: an argument that cannot be planned with (a model
+            whose optimizer does not accumulate, or holds a pending window;
+            `memory_limit` off JAX), named with its value.
+        MemoryError: if not even a micro-batch of 1 sample fits.
     """
     target = positive_int("target_batch_size", target_batch_size)
     limit = memory_limit_bytes(memory_limit)
@@ -157,9 +172,10 @@ def plan_micro_batch(
         peak = compiled_peak(model, head(data, micro_batch_size))
         return MicroBatchPlan(target, micro_batch_size, peak, limit)
 
+    fits: Callable[[int], tuple[bool, int | None]]
     if limit is not None:
 
-        def fits(size):
+        def fits(size: int) -> tuple[bool, int | None]:
             set_window(model, optimizers, target, size)
             peak = compiled_peak(model, head(data, size))
             return peak <= limit, peak
@@ -167,15 +183,15 @@ def plan_micro_batch(
         method = "memory_analysis"
     else:
 
-        def fits(size):
+        def fits(size: int) -> tuple[bool, int | None]:
             set_window(model, optimizers, target, size)
             return probe(model, optimizers, head(data, min(size, count)))
 
         method = "out_of_memory_probes"
-    probes = []
-    tried = {}
+    probes: list[tuple[int, bool, int | None]] = []
+    tried: dict[int, tuple[bool, int | None]] = {}
 
-    def try_size(size):
+    def try_size(size: int) -> bool:
         if size not in tried:
             tried[size] = fits(size)
             probes.append((size, *tried[size]))
@@ -214,7 +230,7 @@ def plan_micro_batch(
 # -- Checks -----------------------------------------------------------------
 
 
-def positive_int(name, value):
+def positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(
             f"`{name}` must be an integer >= 1. Received: {name}={value!r}"
@@ -226,7 +242,7 @@ def positive_int(name, value):
     return int(value)
 
 
-def non_negative_int(name, value):
+def non_negative_int(name: str, value: Any) -> int:
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, np.integer))
@@ -238,7 +254,7 @@ def non_negative_int(name, value):
     return int(value)
 
 
-def _prepared_optimizers(model):
+def _prepared_optimizers(model: keras.Model) -> list[Any]:
     """The model's accumulating optimizers, checked for a plan to set."""
     if not isinstance(model, keras.Model):
         raise TypeError(
@@ -285,7 +301,7 @@ def _prepared_optimizers(model):
     return optimizers
 
 
-def _inner_count(optimizer):
+def _inner_count(optimizer: keras.optimizers.Optimizer) -> int:
     while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer
     return len(getattr(optimizer, "optimizers", [optimizer]))
@@ -294,7 +310,7 @@ def _inner_count(optimizer):
 # -- The window -----------------------------------------------------------
 
 
-def _build(model, optimizers, data):
+def _build(model: keras.Model, optimizers: Sequence[Any], data: Any) -> None:
     """Builds the model, its metrics and the optimizer (with its window
     state: built at `accum_iters >= 2`), as `fit` would on `data`."""
     for optimizer in optimizers:
@@ -306,7 +322,9 @@ def _build(model, optimizers, data):
             optimizer.build(model.trainable_variables)
 
 
-def set_window(model, optimizers, target, size):
+def set_window(
+    model: keras.Model, optimizers: Sequence[Any], target: int, size: int
+) -> None:
     """`accum_iters` for micro-batches of `size`; the train function, which
     reads it as a constant, is traced again."""
     with warnings.catch_warnings():

@@ -3,6 +3,10 @@
 other modules (`_noise_schedule.py`) derive from it without importing
 `schedules`, which exports them."""
 
+from __future__ import annotations
+
+from typing import Any
+
 
 class AccumSchedule:
     """Base class of accumulation schedules.
@@ -18,17 +22,29 @@ class AccumSchedule:
 
     min_accum_iters = 1
 
-    def __call__(self, update):
+    def __call__(self, update: Any) -> Any:
+        """The window size for the next update.
+
+        Args:
+            update: the number of applied updates: an int32 scalar tensor
+                or a Python int (the samples seen, a float32 scalar, for a
+                schedule passed to `by_samples`).
+
+        Returns:
+            An int32 scalar tensor >= 1.
+        """
         raise NotImplementedError
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
+        """The schedule's constructor arguments, for `from_config`."""
         raise NotImplementedError
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> AccumSchedule:
+        """The schedule `get_config` described: `cls(**config)`."""
         return cls(**config)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         arguments = ", ".join(
             f"{name}={value!r}" for name, value in self.get_config().items()
         )

@@ -67,7 +67,9 @@ from accum_optimizers._window.step import carrying_partial_writes_note
 
 # The saved state (loss scale, step counter, then the inner optimizer's) of
 # each unbuilt `LossScaleOptimizer`, kept for its `build`; held weakly.
-_PENDING_SCALE_STATE = weakref.WeakKeyDictionary()
+_PENDING_SCALE_STATE: weakref.WeakKeyDictionary[object, object] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def cooperate(wrapper):

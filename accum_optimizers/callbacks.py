@@ -107,12 +107,12 @@ class FlushAccumulation(keras.callbacks.Callback):
         model = self.model
         original_evaluate = model.evaluate
 
-        def flush_if_due():
+        def flush_if_due() -> None:
             if self._epoch_flush_due and not self._evaluating:
                 self._epoch_flush_due = False
                 self._flush()
 
-        def evaluate(*args, **kwargs):
+        def evaluate(*args: Any, **kwargs: Any) -> Any:
             # An `evaluate` a callback runs mid-epoch does not end it.
             self._evaluating += 1
             try:

@@ -72,6 +72,7 @@ class Run:
     test_accuracy: float = 0.0
 
     def flat_weights(self) -> np.ndarray:
+        """The trained model's weights, flattened into one array."""
         return _flatten(self.model.get_weights())
 
 
@@ -82,23 +83,38 @@ def _flatten(weights: Sequence[np.ndarray]) -> np.ndarray:
 class _RecordWeights(keras.callbacks.Callback):
     """Stores the flat weights after every `every`-th batch."""
 
-    def __init__(self, every: int, trajectory: list):
+    def __init__(self, every: int, trajectory: list) -> None:
         super().__init__()
         self.every = every
         self.trajectory = trajectory
         self.batches = 0
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: Optional[dict[str, Any]] = None) -> None:
         self.trajectory.append(_flatten(self.model.get_weights()))
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(
+        self, batch: int, logs: Optional[dict[str, Any]] = None
+    ) -> None:
         self.batches += 1
         if self.batches % self.every == 0:
             self.trajectory.append(_flatten(self.model.get_weights()))
 
 
-def load_digits(train_size: int):
-    """Returns `((x_train, y_train), (x_test, y_test))` from scikit-learn."""
+def load_digits(
+    train_size: int,
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """Loads scikit-learn's 8x8 digits, scaled to `[0, 1]`.
+
+    Args:
+        train_size: the number of training images (the first ones); the
+            rest are the test images.
+
+    Returns:
+        `((x_train, y_train), (x_test, y_test))`.
+
+    Raises:
+        SystemExit: without scikit-learn, saying how to install it.
+    """
     try:
         from sklearn.datasets import load_digits as sklearn_digits
     except ImportError as error:
@@ -113,7 +129,14 @@ def load_digits(train_size: int):
 
 
 def build_model(seed: int) -> keras.Model:
-    """A 64-64-32-10 classifier whose initial weights depend only on `seed`."""
+    """A 64-64-32-10 classifier whose initial weights depend only on `seed`.
+
+    Args:
+        seed: the Keras random seed of the initial weights.
+
+    Returns:
+        An uncompiled `keras.Sequential`.
+    """
     keras.utils.set_random_seed(seed)
     return keras.Sequential(
         [
@@ -125,8 +148,17 @@ def build_model(seed: int) -> keras.Model:
     )
 
 
-def cosine_schedule(updates: int):
-    """Cosine decay from `LEARNING_RATE` to 0 over `updates` updates."""
+def cosine_schedule(
+    updates: int,
+) -> keras.optimizers.schedules.LearningRateSchedule:
+    """Cosine decay from `LEARNING_RATE` to 0 over `updates` updates.
+
+    Args:
+        updates: the run's number of updates.
+
+    Returns:
+        A `keras.optimizers.schedules.CosineDecay`.
+    """
     return keras.optimizers.schedules.CosineDecay(LEARNING_RATE, updates)
 
 
@@ -134,12 +166,26 @@ def train(
     label: str,
     optimizer: keras.optimizers.Optimizer,
     batch_size: int,
-    data,
+    data: tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
     epochs: int,
     seed: int,
     record_every: Optional[int] = None,
 ) -> Run:
-    """Trains a fresh model with `optimizer`; returns its `Run`."""
+    """Trains a fresh model with `optimizer`.
+
+    Args:
+        label: the run's name.
+        optimizer: the optimizer to compile the model with.
+        batch_size: the batch passed to `fit`.
+        data: `((x_train, y_train), (x_test, y_test))`.
+        epochs: the epochs to train.
+        seed: the seed of the initial weights.
+        record_every: record the flat weights every this many batches;
+            `None` records nothing.
+
+    Returns:
+        The `Run`.
+    """
     (x_train, y_train), (x_test, y_test) = data
     model = build_model(seed)
     model.compile(
@@ -147,7 +193,7 @@ def train(
         loss="sparse_categorical_crossentropy",
         metrics=["accuracy"],
     )
-    trajectory = []
+    trajectory: list[np.ndarray] = []
     callbacks = []
     if record_every:
         callbacks.append(_RecordWeights(record_every, trajectory))
@@ -182,8 +228,25 @@ def compare(
     seed: int = 0,
     record: bool = False,
     train_images: int = TRAIN_IMAGES,
-) -> list:
-    """Trains the four runs; returns their `Run`s, the big batch first."""
+) -> list[Run]:
+    """Trains the big batch, `AdamAccumulate`, the micro-batch and Keras'
+    own accumulation, from the same initial weights.
+
+    Args:
+        accum_iters: micro-batches per window.
+        micro_batch: the micro-batch size.
+        epochs: the epochs to train.
+        seed: the seed of the initial weights.
+        record: record the weights after every update, for `plot`.
+        train_images: the training images (whole big batches of them are
+            used).
+
+    Returns:
+        The four `Run`s, the big batch first.
+
+    Raises:
+        ValueError: if `train_images` holds no big batch.
+    """
     big_batch = accum_iters * micro_batch
     # Whole windows only: the training set is a multiple of the big batch.
     train_size = (train_images // big_batch) * big_batch
@@ -240,8 +303,16 @@ def compare(
     ]
 
 
-def distances(runs: Sequence[Run]) -> list:
-    """Max |weight difference| of each run's final weights to the first's."""
+def distances(runs: Sequence[Run]) -> list[float]:
+    """Each run's distance from the first.
+
+    Args:
+        runs: the runs, the reference first.
+
+    Returns:
+        Per run, the max |weight difference| of its final weights to the
+        first run's.
+    """
     reference = runs[0].flat_weights()
     return [
         float(np.max(np.abs(run.flat_weights() - reference))) for run in runs
@@ -249,7 +320,15 @@ def distances(runs: Sequence[Run]) -> list:
 
 
 def report(runs: Sequence[Run], accum_iters: int) -> str:
-    """The comparison table, what it shows, and a line on the timings."""
+    """The comparison table, what it shows, and a line on the timings.
+
+    Args:
+        runs: the four runs of `compare`.
+        accum_iters: their window size.
+
+    Returns:
+        The report's text.
+    """
     ours, small = runs[1], runs[2]
     gaps = distances(runs)
     updates = [int(run.model.optimizer.iterations) for run in runs]
@@ -288,6 +367,11 @@ def plot(runs: Sequence[Run], accum_iters: int, path: str) -> None:
     """Writes a PNG: loss per epoch, and distance to the big batch per update.
 
     Needs the runs' recorded trajectories (`compare(record=True)`).
+
+    Args:
+        runs: the four runs of `compare`.
+        accum_iters: their window size.
+        path: the PNG file to write.
     """
     import matplotlib
 
@@ -343,8 +427,18 @@ def _quiet_python_logs() -> None:
     quiet_python_logger()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> list:
-    """Runs the demo; returns the four `Run`s, the big batch first."""
+def main(argv: Optional[Sequence[str]] = None) -> list[Run]:
+    """Runs the demo, as `python -m accum_optimizers.demo`.
+
+    Args:
+        argv: the command-line arguments; `None` reads `sys.argv`.
+
+    Returns:
+        The four `Run`s, the big batch first.
+
+    Raises:
+        SystemExit: for `--help`, a bad flag, or a missing package.
+    """
     args = parse_args(argv)
     _quiet_python_logs()
     if args.plot:

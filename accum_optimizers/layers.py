@@ -8,6 +8,10 @@ the window's samples together: the moving statistics of a
 `BatchNormalization` layer fed the concatenated window as one batch.
 """
 
+from __future__ import annotations
+
+from typing import Any
+
 import keras
 from keras import ops
 
@@ -97,16 +101,20 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             neither the call's nor the window's statistics.
     """
 
-    def __init__(self, accum_iters=1, **kwargs):
+    def __init__(self, accum_iters: int = 1, **kwargs: Any) -> None:
         accum_iters = validate_accum_iters(accum_iters)
         super().__init__(**kwargs)
         self.accum_iters = accum_iters
 
-    def build(self, input_shape):
+    def build(self, input_shape: tuple[int | None, ...]) -> None:
         super().build(input_shape)
         shape = (input_shape[self.axis],)
 
-        def state(name, dtype=self.variable_dtype, shape=shape):
+        def state(
+            name: str,
+            dtype: str = self.variable_dtype,
+            shape: tuple[int | None, ...] = shape,
+        ) -> keras.Variable:
             return self.add_weight(
                 shape=shape,
                 name=name,
@@ -124,7 +132,9 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         self.window_calls = state("window_calls", dtype="int32", shape=())
         _batch_norm_windows.BUILT.add(self)
 
-    def call(self, inputs, training=None, mask=None):
+    def call(
+        self, inputs: Any, training: bool | None = None, mask: Any = None
+    ) -> Any:
         if self.accum_iters == 1 or not (training and self.trainable):
             return super().call(inputs, training=training, mask=mask)
         if mask is not None and len(mask.shape) != len(inputs.shape) - 1:
@@ -161,7 +171,9 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         )
         return ops.cast(outputs, self.compute_dtype)
 
-    def _add_to_window(self, inputs, mask, mean, variance):
+    def _add_to_window(
+        self, inputs: Any, mask: Any, mean: Any, variance: Any
+    ) -> None:
         """Pools the call's moments into the window; moves at its end."""
         dtype = self.window_mean.dtype
         mean = ops.cast(ops.stop_gradient(mean), dtype)
@@ -184,7 +196,9 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         last = ops.greater_equal(calls, self.accum_iters)
         self._store_window(last, total, new_mean, new_m2, calls)
 
-    def _store_window(self, close, count, mean, m2, calls):
+    def _store_window(
+        self, close: Any, count: Any, mean: Any, m2: Any, calls: Any
+    ) -> None:
         """Stores the window, or moves the statistics and empties it."""
         self._move_statistics(close, mean, ops.divide_no_nan(m2, count))
         zeros = ops.zeros_like(count)
@@ -193,7 +207,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         self.window_m2.assign(ops.where(close, zeros, m2))
         self.window_calls.assign(ops.where(close, ops.zeros_like(calls), calls))
 
-    def flush(self):
+    def flush(self) -> None:
         """Moves the statistics with the pending partial window, if any.
 
         The moving statistics move as those of a `BatchNormalization` layer
@@ -214,7 +228,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             calls,
         )
 
-    def _move_statistics(self, last, mean, variance):
+    def _move_statistics(self, last: Any, mean: Any, variance: Any) -> None:
         """BatchNormalization's update with `mean, variance` where `last`."""
         if _keras_private.batch_norm_renorm(self):
             # Keras' renorm update, kept only on the window's last call.
@@ -253,7 +267,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             )
         )
 
-    def _count(self, inputs, mask, dtype):
+    def _count(self, inputs: Any, mask: Any, dtype: str) -> Any:
         """Positions each channel's statistics were taken over."""
         if mask is None:
             shape = ops.shape(inputs)
@@ -270,11 +284,11 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         axes = _keras_private.batch_norm_reduction_axes(self)
         return ops.sum(weights, axis=axes)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "accum_iters": self.accum_iters}
 
 
-def _sum_over_replicas(value):
+def _sum_over_replicas(value: Any) -> Any:
     """Sums over `tf.distribute` replicas, as synchronized moments do."""
     import tensorflow as tf
 
@@ -287,7 +301,7 @@ def _sum_over_replicas(value):
 _SWAPPABLE = (keras.layers.BatchNormalization, AccumBatchNormalization)
 
 
-def with_accum_batch_norm(model, accum_iters):
+def with_accum_batch_norm(model: keras.Model, accum_iters: int) -> keras.Model:
     """Clones a model with its `BatchNormalization` layers accumulating.
 
     Every `BatchNormalization` layer (nested Sequential and Functional
@@ -306,11 +320,16 @@ def with_accum_batch_norm(model, accum_iters):
 
     Returns:
         A new `keras.Model`.
+
+    Raises:
+        ValueError: if `accum_iters` is not an integer >= 1, a layer to
+            swap is a subclass of `BatchNormalization` or sits inside a
+            layer of your own, or a layer was not built in the clone.
     """
     accum_iters = validate_accum_iters(accum_iters)
     pairs = []
 
-    def swap(layer):
+    def swap(layer: keras.layers.Layer) -> keras.layers.Layer:
         config = layer.get_config()
         if type(layer) in _SWAPPABLE:
             config["accum_iters"] = accum_iters
@@ -350,7 +369,9 @@ def with_accum_batch_norm(model, accum_iters):
     return clone
 
 
-def _owner_of(model, layer):
+def _owner_of(
+    model: keras.Model, layer: keras.layers.Layer
+) -> keras.layers.Layer:
     """The layer of `model` (nested models looked into) holding `layer`."""
     for candidate in _keras_private.sublayers(model):
         if isinstance(candidate, keras.Model):
@@ -360,7 +381,7 @@ def _owner_of(model, layer):
     return model
 
 
-def _copy_weights(old, new):
+def _copy_weights(old: keras.layers.Layer, new: keras.layers.Layer) -> None:
     if not old.built:
         return
     if not new.built:

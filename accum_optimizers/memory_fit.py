@@ -30,6 +30,11 @@ produces it), the window starts again from its first sample instead
 (`_recovery.Tracker.check_recoverable`).
 """
 
+from __future__ import annotations
+
+from typing import Any
+from typing import Sequence
+
 import keras
 import numpy as np
 
@@ -52,22 +57,22 @@ __all__ = ["MicroBatchPlan", "fit_to_memory", "plan_micro_batch"]
 
 
 def fit_to_memory(
-    model,
-    x,
-    y=None,
+    model: keras.Model,
+    x: Any,
+    y: Any = None,
     *,
-    target_batch_size,
-    epochs=1,
-    sample_weight=None,
-    memory_limit=None,
-    micro_batch_size=None,
-    shuffle=True,
-    seed=None,
-    callbacks=None,
-    validation_data=None,
-    verbose="auto",
-    initial_epoch=0,
-):
+    target_batch_size: int,
+    epochs: int = 1,
+    sample_weight: Any = None,
+    memory_limit: int | str | None = None,
+    micro_batch_size: int | None = None,
+    shuffle: bool = True,
+    seed: int | None = None,
+    callbacks: Sequence[keras.callbacks.Callback] | None = None,
+    validation_data: tuple[Any, ...] | None = None,
+    verbose: str | int = "auto",
+    initial_epoch: int = 0,
+) -> keras.callbacks.History:
     """Trains at a target batch with the largest micro-batch that fits,
     exactly like the parent optimizer with `batch_size=target_batch_size`.
 
@@ -126,6 +131,15 @@ def fit_to_memory(
         A `keras.callbacks.History`, with a `plan` attribute: the
         `MicroBatchPlan`, whose `micro_batch_size` is the one training
         ended with and whose `recoveries` lists the recoveries.
+
+    Raises:
+        TypeError: if `shuffle` is not a bool, or an argument
+            `plan_micro_batch` checks is of the wrong type.
+        ValueError: an argument that cannot be trained with
+            (`steps_per_execution` other than 1, a dataset for `x`, a
+            `FlushAccumulation` that does not flush every epoch), named
+            with its value.
+        MemoryError: if not even a micro-batch of 1 sample fits.
     """
     epochs = non_negative_int("epochs", epochs)
     initial_epoch = non_negative_int("initial_epoch", initial_epoch)
@@ -223,7 +237,9 @@ def fit_to_memory(
 # -- Checks -----------------------------------------------------------------
 
 
-def _with_flush(callbacks):
+def _with_flush(
+    callbacks: Sequence[keras.callbacks.Callback] | None,
+) -> list[keras.callbacks.Callback]:
     """`callbacks` with a `FlushAccumulation` that flushes every epoch: the
     epoch's short last window is the parent's short last batch."""
     callbacks = list(callbacks or [])

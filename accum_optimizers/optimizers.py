@@ -8,7 +8,10 @@ MyAccumulate = accumulating(MyOptimizer)  # any keras.optimizers.Optimizer
 ```
 """
 
+from __future__ import annotations
+
 import inspect
+from typing import Any
 
 import keras
 from keras.saving import register_keras_serializable
@@ -21,7 +24,7 @@ from accum_optimizers._keras_private import versions as keras_versions
 _PACKAGE = "accum_optimizers"
 
 # One class per parent: calling `accumulating` twice returns the same class.
-_CLASSES = {}
+_CLASSES: dict[type, type[keras.optimizers.Optimizer]] = {}
 
 _NOT_ACCUMULABLE = _keras_private.wrapper_optimizer_classes()
 
@@ -61,6 +64,12 @@ def accumulating(
 
     Returns:
         The accumulating class.
+
+    Raises:
+        TypeError: if `optimizer_class` is not a subclass of
+            `keras.optimizers.Optimizer`, or is a wrapper of optimizers.
+        ValueError: if another class already registered the name
+            `<Name>Accumulate` in the package `"accum_optimizers"`.
     """
     if isinstance(optimizer_class, type) and issubclass(
         optimizer_class, GradientAccumulation
@@ -85,12 +94,14 @@ def accumulating(
         return _CLASSES[optimizer_class]
     name = f"{optimizer_class.__name__}Accumulate"
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         GradientAccumulation.__init__(self, *args, **kwargs)
 
     # The signature users, `help()` and the API docs see: the parent's
     # arguments in its order, then the accumulation arguments.
-    __init__.__signature__ = _signature(optimizer_class)
+    __init__.__signature__ = _signature(  # type: ignore[attr-defined]
+        optimizer_class
+    )
     __init__.__qualname__ = f"{name}.__init__"
     cls = type(
         name,
@@ -115,7 +126,9 @@ def accumulating(
     return cls
 
 
-def _signature(optimizer_class):
+def _signature(
+    optimizer_class: type[keras.optimizers.Optimizer],
+) -> inspect.Signature:
     """The parent's signature plus the keyword-only accumulation args."""
     parameters = list(
         inspect.signature(optimizer_class.__init__).parameters.values()
@@ -128,15 +141,18 @@ def _signature(optimizer_class):
     others = [p for p in parameters if p not in var_keyword]
     positional = [p for p in others if p.kind is not keyword]
     keyword_only = [p for p in others if p.kind is keyword]
-    return inspect.Signature(positional + keyword_only + extra + var_keyword)
+    return inspect.Signature(
+        positional + keyword_only + extra + var_keyword,
+        return_annotation=None,
+    )
 
 
-def _keyword_list():
+def _keyword_list() -> str:
     names = [f"`{name}`" for name in _args.NAMES]
     return ", ".join(names[:-1]) + f" and {names[-1]}"
 
 
-def _docstring(optimizer_class):
+def _docstring(optimizer_class: type) -> str:
     parent = _keras_private.public_name(optimizer_class)
     name = optimizer_class.__name__
     parent_args, parent_rest = _split_args(_parent_docstring(optimizer_class))
@@ -167,7 +183,7 @@ def _docstring(optimizer_class):
     )
 
 
-def _split_args(text):
+def _split_args(text: str) -> tuple[str, str]:
     """`(args, rest)`: the lines of a Google-style docstring's `Args:`
     section (indented, each ending in a newline) and the docstring without
     that section."""
@@ -211,7 +227,7 @@ weight_decay: Float. If set, weight decay is applied.
     name: String. The name of the optimizer."""
 
 
-def _parent_docstring(optimizer_class):
+def _parent_docstring(optimizer_class: type) -> str:
     text = inspect.cleandoc(optimizer_class.__doc__ or "")
     # Keras' Muon leaves its template's placeholder unfilled.
     return text.replace("{{base_optimizer_keyword_args}}", _BASE_ARGS)
@@ -252,7 +268,7 @@ MISSING_OPTIMIZER_CLASSES = {
 }
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     if name in MISSING_OPTIMIZER_CLASSES:
         raise AttributeError(
             keras_versions.missing_optimizer_message(

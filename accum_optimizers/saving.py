@@ -7,8 +7,16 @@ and the saved optimizer state is skipped. Compile the rebuilt model with the
 optimizer to resume with, then load the state into it.
 """
 
+from __future__ import annotations
 
-def load_training_state(model, filepath):
+import os
+
+import keras
+
+
+def load_training_state(
+    model: keras.Model, filepath: str | os.PathLike[str]
+) -> keras.Model:
     """Loads a saved model's weights and optimizer state into `model`.
 
     `model` must be compiled with an optimizer of the saved configuration
@@ -31,6 +39,9 @@ def load_training_state(model, filepath):
 
     Returns:
         `model`.
+
+    Raises:
+        ValueError: if `model` is not compiled with an optimizer.
     """
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:

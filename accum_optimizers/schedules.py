@@ -20,6 +20,10 @@ optimizer = AdamAccumulate(
 ```
 """
 
+from __future__ import annotations
+
+from typing import Any
+
 import keras
 from keras import ops
 from keras.optimizers.schedules import LearningRateSchedule
@@ -33,7 +37,9 @@ from accum_optimizers._validation import validate_positive_ints
 _PACKAGE = "accum_optimizers"
 
 
-def get(identifier):
+def get(
+    identifier: int | dict[int, int] | AccumSchedule,
+) -> int | AccumSchedule:
     """The window size `accum_iters` names: an `int`, or an `AccumSchedule`.
 
     Args:
@@ -43,6 +49,11 @@ def get(identifier):
     Returns:
         The integer, or the schedule (a dict becomes a
         `PiecewiseConstantAccumIters`).
+
+    Raises:
+        TypeError: if `identifier` is none of these.
+        ValueError: if it is an integer below 1, or a dict whose first key
+            is not `0` or whose values are not integers >= 1.
     """
     if isinstance(identifier, AccumSchedule):
         return identifier
@@ -70,11 +81,11 @@ class PiecewiseConstantAccumIters(AccumSchedule):
             first is `0`; values are integers `>= 1`.
     """
 
-    def __init__(self, boundaries):
+    def __init__(self, boundaries: dict[int, int]) -> None:
         self.boundaries = validate_boundaries(boundaries)
         self.min_accum_iters = min(self.boundaries.values())
 
-    def __call__(self, update):
+    def __call__(self, update: Any) -> Any:
         update = _count(update)
         window = ops.convert_to_tensor(self.boundaries[0], "int32")
         for start, size in sorted(self.boundaries.items())[1:]:
@@ -85,7 +96,7 @@ class PiecewiseConstantAccumIters(AccumSchedule):
             )
         return window
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {"boundaries": dict(self.boundaries)}
 
 
@@ -103,7 +114,7 @@ class LinearRamp(AccumSchedule):
         ramp_updates: Integer >= 1. Updates over which `k` ramps.
     """
 
-    def __init__(self, initial, final, ramp_updates):
+    def __init__(self, initial: int, final: int, ramp_updates: int) -> None:
         validate_positive_ints(
             initial=initial, final=final, ramp_updates=ramp_updates
         )
@@ -111,7 +122,7 @@ class LinearRamp(AccumSchedule):
         self.ramp_updates = int(ramp_updates)
         self.min_accum_iters = min(self.initial, self.final)
 
-    def __call__(self, update):
+    def __call__(self, update: Any) -> Any:
         update = _count(update)
         if _dtype(update) == "float32":
             # Samples seen (`by_samples`): past int32's range, and a ramp
@@ -128,7 +139,7 @@ class LinearRamp(AccumSchedule):
             )
         return ops.add(ops.cast(growth, "int32"), self.initial)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {
             "initial": self.initial,
             "final": self.final,
@@ -136,7 +147,9 @@ class LinearRamp(AccumSchedule):
         }
 
 
-def by_samples(schedule):
+def by_samples(
+    schedule: AccumSchedule | dict[int, int] | LearningRateSchedule,
+) -> SamplesAccumSchedule | SamplesLearningRateSchedule:
     """Keys `schedule` on the samples seen instead of the applied updates.
 
     The optimizer counts the total weight of the windows it applied
@@ -156,6 +169,9 @@ def by_samples(schedule):
     Returns:
         A `SamplesAccumSchedule` or a `SamplesLearningRateSchedule`, which
         only accumulating optimizers accept.
+
+    Raises:
+        TypeError: if `schedule` is none of these.
     """
     if isinstance(schedule, LearningRateSchedule):
         return SamplesLearningRateSchedule(schedule)
@@ -168,9 +184,15 @@ def by_samples(schedule):
     )
 
 
-def keyed_on_samples(schedule):
-    """Whether `schedule` (anything `accum_iters` or `learning_rate`
-    takes) is keyed on the samples seen."""
+def keyed_on_samples(schedule: Any) -> bool:
+    """Whether a schedule is keyed on the samples seen (`by_samples`).
+
+    Args:
+        schedule: anything `accum_iters` or `learning_rate` takes.
+
+    Returns:
+        A bool.
+    """
     return isinstance(
         schedule, (SamplesAccumSchedule, SamplesLearningRateSchedule)
     )
@@ -180,14 +202,17 @@ class _KeyedOnSamples:
     """Saving and printing of a schedule wrapped by `by_samples` (its
     `schedule`)."""
 
-    def get_config(self):
+    schedule: Any
+
+    def get_config(self) -> dict[str, Any]:
         return {"schedule": keras.saving.serialize_keras_object(self.schedule)}
 
     @classmethod
-    def from_config(cls, config):
-        return cls(keras.saving.deserialize_keras_object(config["schedule"]))
+    def from_config(cls, config: dict[str, Any]) -> Any:
+        schedule = keras.saving.deserialize_keras_object(config["schedule"])
+        return cls(schedule)  # type: ignore[call-arg]
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"by_samples({self.schedule!r})"
 
 
@@ -200,7 +225,7 @@ class SamplesAccumSchedule(_KeyedOnSamples, AccumSchedule):
             is the samples seen (a float32 scalar) instead of updates.
     """
 
-    def __init__(self, schedule):
+    def __init__(self, schedule: AccumSchedule | dict[int, int]) -> None:
         if isinstance(schedule, dict):
             schedule = PiecewiseConstantAccumIters(schedule)
         if not isinstance(schedule, AccumSchedule) or isinstance(
@@ -213,7 +238,7 @@ class SamplesAccumSchedule(_KeyedOnSamples, AccumSchedule):
         self.schedule = schedule
         self.min_accum_iters = schedule.min_accum_iters
 
-    def __call__(self, samples):
+    def __call__(self, samples: Any) -> Any:
         return self.schedule(samples)
 
 
@@ -229,7 +254,7 @@ class SamplesLearningRateSchedule(_KeyedOnSamples, LearningRateSchedule):
         schedule: a `LearningRateSchedule`.
     """
 
-    def __init__(self, schedule):
+    def __init__(self, schedule: LearningRateSchedule) -> None:
         if not isinstance(schedule, LearningRateSchedule) or isinstance(
             schedule, SamplesLearningRateSchedule
         ):
@@ -239,7 +264,12 @@ class SamplesLearningRateSchedule(_KeyedOnSamples, LearningRateSchedule):
             )
         self.schedule = schedule
 
-    def __call__(self, step):
+    def __call__(self, step: Any) -> Any:
+        """Refuses: only an accumulating optimizer evaluates it.
+
+        Raises:
+            TypeError: always; pass it to an accumulating optimizer.
+        """
         raise TypeError(
             f"by_samples({type(self.schedule).__name__}) is keyed on the "
             "samples an accumulating optimizer counts; pass it as the "
@@ -247,12 +277,19 @@ class SamplesLearningRateSchedule(_KeyedOnSamples, LearningRateSchedule):
             "`accum_iters`), not of a plain Keras optimizer."
         )
 
-    def at_samples(self, samples):
-        """The learning rate after `samples` samples (a float32 scalar)."""
+    def at_samples(self, samples: Any) -> Any:
+        """The learning rate after a number of samples.
+
+        Args:
+            samples: the samples seen, a float32 scalar.
+
+        Returns:
+            `schedule(samples)`.
+        """
         return self.schedule(samples)
 
 
-def _count(update):
+def _count(update: Any) -> Any:
     """An update count as int32, or samples seen as float32."""
     if not hasattr(update, "dtype") and isinstance(update, float):
         return ops.convert_to_tensor(update, "float32")
@@ -261,7 +298,7 @@ def _count(update):
     return ops.cast(update, "int32")
 
 
-def _dtype(value):
+def _dtype(value: Any) -> str:
     return keras.backend.standardize_dtype(value.dtype)
 
 

@@ -14,6 +14,10 @@ bucket at a time as its gradients are ready, as DDP hides its own behind
 the backward pass; the close only waits for it.
 """
 
+from __future__ import annotations
+
+from typing import Any
+
 import keras
 
 from accum_optimizers._backend import NEEDS_WINDOW_SYNC
@@ -24,11 +28,11 @@ DEFAULT_BUCKET_CAP_MB = 25
 
 
 def sync_windows(
-    optimizer,
-    process_group=None,
-    bucket_cap_mb=DEFAULT_BUCKET_CAP_MB,
-    model=None,
-):
+    optimizer: keras.optimizers.Optimizer,
+    process_group: Any = None,
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    model: keras.Model | None = None,
+) -> keras.optimizers.Optimizer:
     """Makes `optimizer` all-reduce its window's sums once per window.
 
     From now on, each time a window closes (its `accum_iters`-th `apply`,
@@ -54,7 +58,7 @@ def sync_windows(
             others, or `accumulating(cls)`), with `accum_iters` other than
             1: with a window of one the parent optimizer runs unchanged,
             and DDP's own exchange is the one to use.
-        process_group: the `torch.distributed` process group to reduce
+        process_group: the `torch.distributed.ProcessGroup` to reduce
             over. Defaults to `None`, the default (world) group, which
             `torch.distributed.init_process_group` must have made.
         bucket_cap_mb: the most megabytes (MiB) of sums one all-reduce
@@ -77,6 +81,11 @@ def sync_windows(
 
     Returns:
         `optimizer`.
+
+    Raises:
+        ValueError: off the torch backend, without an initialized process
+            group, or for an optimizer or argument that cannot take part,
+            named with its value.
     """
     if not NEEDS_WINDOW_SYNC:
         raise ValueError(
@@ -148,7 +157,9 @@ def sync_windows(
     return optimizer
 
 
-def weigh_next_backward(optimizer, weight):
+def weigh_next_backward(
+    optimizer: keras.optimizers.Optimizer, weight: Any
+) -> None:
     """Announces the weight of the micro-batch whose backward runs next.
 
     Under `sync_windows(optimizer, model=model)` the window's exchange
@@ -166,6 +177,11 @@ def weigh_next_backward(optimizer, weight):
         weight: the micro-batch's weight, a finite number `> 0` (its sample
             count, the sum of its sample weights, or its token count), as
             `apply` takes it.
+
+    Raises:
+        ValueError: if `optimizer` is not under `sync_windows` with
+            `model`, a backward already ran since the last `apply`, or
+            `weight` is not a finite number `> 0`.
     """
     import numpy as np
 

@@ -15,7 +15,11 @@ arguments of their reduction) and hand it to the optimizer with the
 micro-batch's gradients, on every backend and under `tf.distribute`.
 """
 
+from __future__ import annotations
+
 import weakref
+from typing import Any
+from typing import Sequence
 
 import keras
 import numpy as np
@@ -34,10 +38,10 @@ _DIVIDED_BY_COUNT = ("sum_over_batch_size", "mean")
 
 # The models `weigh_micro_batches` wrapped, held weakly: a model's entry
 # goes with it.
-_WEIGHED = weakref.WeakSet()
+_WEIGHED: weakref.WeakSet[keras.Model] = weakref.WeakSet()
 
 
-def weigh_micro_batches(model):
+def weigh_micro_batches(model: keras.Model) -> keras.Model:
     """Makes `model.fit` weigh each micro-batch by the count its loss is
     divided by, so that a window equals its concatenated big batch when
     micro-batches differ: the epoch's short last batch, `sample_weight`
@@ -60,6 +64,13 @@ def weigh_micro_batches(model):
 
     Returns:
         `model`.
+
+    Raises:
+        TypeError: if `model` is not a `keras.Model`.
+        ValueError: if its accumulating optimizer keeps float16 sums,
+            which refuse weighted windows; in training, if its losses give
+            no single count, or a micro-batch's normalizer is negative or
+            not finite.
     """
     if not isinstance(model, keras.Model):
         raise TypeError(
@@ -75,8 +86,12 @@ def weigh_micro_batches(model):
     takes_training = _keras_private.compute_loss_takes_training(model)
 
     def weighed_compute_loss(
-        x=None, y=None, y_pred=None, sample_weight=None, training=True
-    ):
+        x: Any = None,
+        y: Any = None,
+        y_pred: Any = None,
+        sample_weight: Any = None,
+        training: bool = True,
+    ) -> Any:
         kwargs = {"training": training} if takes_training else {}
         optimizers = [
             optimizer
@@ -121,7 +136,7 @@ def weigh_micro_batches(model):
     return model
 
 
-def weighs_micro_batches(model):
+def weighs_micro_batches(model: keras.Model) -> bool:
     """Whether `weigh_micro_batches(model)` wrapped `model`'s
     `compute_loss` (`check_exactness` weighs its runs' models alike).
 
@@ -134,7 +149,7 @@ def weighs_micro_batches(model):
     return model in _WEIGHED
 
 
-def _refuse_torch_compile(model):
+def _refuse_torch_compile(model: keras.Model) -> None:
     """torch's compiler (`jit_compile=True`) recompiles the train step for
     every micro-batch's hand-over, up to its recompile limit."""
     if COMPILER_RETRACES_EACH_HAND_OVER and getattr(
@@ -148,7 +163,9 @@ def _refuse_torch_compile(model):
         )
 
 
-def _checked_normalizer(weight, skips=False):
+def _checked_normalizer(
+    weight: Any, skips: bool = False
+) -> tuple[Any, Any, bool, Any]:
     """`(weight, checked, poisoned, refused)`: `weight`, refused when
     negative or not
     finite (a negative sum of sample weights under
@@ -193,7 +210,7 @@ def _checked_normalizer(weight, skips=False):
     return ops.where(valid, weight, float("nan")), None, True, refused
 
 
-def _micro_batch_weight(reductions, y_pred):
+def _micro_batch_weight(reductions: Sequence[Any], y_pred: Any) -> Any:
     """The micro-batch's weight, from the reductions of its losses."""
     if not reductions:
         raise ValueError(
@@ -222,7 +239,7 @@ def _micro_batch_weight(reductions, y_pred):
     return _sample_count(y_pred)
 
 
-def _count(reduction):
+def _count(reduction: Any) -> Any:
     """The count a Keras loss reduction divides by, as Keras computes it
     (`keras/src/losses/loss.py`), or `None` when its values are a scalar
     the loss function reduced itself."""
@@ -266,11 +283,11 @@ def _count(reduction):
     return ops.cast(ops.stop_gradient(count), "float32")
 
 
-def _standard(reduction):
+def _standard(reduction: str | None) -> str:
     return _keras_private.loss_module().standardize_reduction(reduction)
 
 
-def _sample_count(y_pred):
+def _sample_count(y_pred: Any) -> Any:
     first = next(
         leaf for leaf in keras.tree.flatten(y_pred) if leaf is not None
     )

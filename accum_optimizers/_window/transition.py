@@ -93,7 +93,7 @@ class Step:
     loss_sum: object
     skipped: object = None
     refused: object = None
-    noise_sums: tuple = None
+    noise_sums: tuple | None = None
 
 
 def enters(finite, valid):

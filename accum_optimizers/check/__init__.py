@@ -11,7 +11,11 @@ accum_optimizers.check model.keras data.npz --batch-size 8` runs it on a
 saved model.
 """
 
+from __future__ import annotations
+
 import dataclasses
+from typing import Any
+from typing import Sequence
 
 import keras
 import numpy as np
@@ -33,18 +37,18 @@ __all__ = ["Cause", "ExactnessReport", "VariableDrift", "check_exactness"]
 
 
 def check_exactness(
-    model,
-    x,
-    y=None,
+    model: keras.Model,
+    x: Any,
+    y: Any = None,
     *,
-    batch_size,
-    sample_weight=None,
-    updates=20,
-    optimizer=None,
-    callbacks=None,
-    seed=0,
-    verbose=1,
-):
+    batch_size: int,
+    sample_weight: Any = None,
+    updates: int = 20,
+    optimizer: keras.optimizers.Optimizer | None = None,
+    callbacks: Sequence[keras.callbacks.Callback] | None = None,
+    seed: int = 0,
+    verbose: int = 1,
+) -> ExactnessReport:
     """Checks that `model`'s accumulating optimizer trains it as its parent
     would on the `accum_iters` times bigger batch.
 
@@ -134,15 +138,15 @@ def check_exactness(
 
 
 def check_arguments(
-    model,
-    x,
-    y=None,
+    model: keras.Model,
+    x: Any,
+    y: Any = None,
     *,
-    batch_size,
-    sample_weight=None,
-    updates=20,
-    optimizer=None,
-):
+    batch_size: int,
+    sample_weight: Any = None,
+    updates: int = 20,
+    optimizer: keras.optimizers.Optimizer | None = None,
+) -> tuple[keras.optimizers.Optimizer, int, int]:
     """Checks the arguments of `check_exactness` without training anything
     (its command line tells a usage error from a drift with it).
 
@@ -187,7 +191,14 @@ class _Comparison:
     facts: dict
 
 
-def _trained(model, optimizer, accumulates, k, batch_size, samples):
+def _trained(
+    model: keras.Model,
+    optimizer: keras.optimizers.Optimizer,
+    accumulates: bool,
+    k: int,
+    batch_size: int,
+    samples: tuple[Any, Any, Any],
+) -> tuple[keras.Model, bool, list[list[np.ndarray]]]:
     """`(clone, swapped, snapshots)`: a clone of `model` (see
     `_runs.clone_model` for `swapped`) trained on `samples` by the
     accumulating optimizer at `batch_size` (`accumulates`) or by its
@@ -208,11 +219,18 @@ def _trained(model, optimizer, accumulates, k, batch_size, samples):
     return clone, swapped, snapshots
 
 
-def _compare(model, optimizer, k, batch_size, data, shuffled):
+def _compare(
+    model: keras.Model,
+    optimizer: keras.optimizers.Optimizer,
+    k: int,
+    batch_size: int,
+    data: tuple[Any, Any, Any],
+    shuffled: tuple[Any, Any, Any],
+) -> _Comparison:
     """Runs the three trainings and measures them (see `check_exactness`)."""
     keep = _compared(model)
 
-    def kept(snapshots):
+    def kept(snapshots: list[list[np.ndarray]]) -> list[list[np.ndarray]]:
         return [[weights[i] for i in keep] for weights in snapshots]
 
     start = kept([model.get_weights()])[0]
@@ -254,7 +272,7 @@ def _compare(model, optimizer, k, batch_size, data, shuffled):
     )
 
 
-def _compared(model):
+def _compared(model: keras.Model) -> list[int]:
     """The indices of `model.weights` to compare: all but the pending
     window of `AccumBatchNormalization` layers, which the big-batch runs
     (`accum_iters=1`) never hold."""
@@ -274,7 +292,9 @@ def _compared(model):
     return [i for i, v in enumerate(model.weights) if id(v) not in window]
 
 
-def _loss_reductions(clone, data, batch_size):
+def _loss_reductions(
+    clone: keras.Model, data: tuple[Any, Any, Any], batch_size: int
+) -> list[Any]:
     """The Keras loss reductions of one micro-batch's loss (eagerly, no
     training step)."""
     x, y, sample_weight = (_runs.take(d, np.arange(batch_size)) for d in data)
@@ -284,13 +304,15 @@ def _loss_reductions(clone, data, batch_size):
     return list(reductions)
 
 
-def _inner(optimizer):
+def _inner(optimizer: keras.optimizers.Optimizer) -> Any:
     while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer
     return optimizer
 
 
-def model_optimizer(model, optimizer=None):
+def model_optimizer(
+    model: keras.Model, optimizer: keras.optimizers.Optimizer | None = None
+) -> keras.optimizers.Optimizer:
     """The accumulating optimizer to check: `optimizer`, or `model`'s;
     raises `ValueError` naming what is wrong."""
     if not isinstance(model, keras.Model):

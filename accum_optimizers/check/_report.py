@@ -1,8 +1,11 @@
 """What `check_exactness` returns: the drift of each variable against the
 round-off floor, the verdict, and the known causes found in the model."""
 
+from __future__ import annotations
+
 import dataclasses
 import textwrap
+from typing import Sequence
 
 import numpy as np
 
@@ -51,15 +54,23 @@ class VariableDrift:
     tolerance: float
 
     @property
-    def exact(self):
+    def exact(self) -> bool:
+        """Whether `drift` stays within `tolerance`."""
         return self.drift <= self.tolerance
 
     @property
-    def drift_over_moved(self):
+    def drift_over_moved(self) -> float:
+        """`drift` relative to `moved` (infinite where it did not move)."""
         return self.drift / self.moved if self.moved else float("inf")
 
 
-def variable_drifts(paths, start, big, accumulated, reordered):
+def variable_drifts(
+    paths: Sequence[str],
+    start: Sequence[np.ndarray],
+    big: Sequence[Sequence[np.ndarray]],
+    accumulated: Sequence[Sequence[np.ndarray]],
+    reordered: Sequence[Sequence[np.ndarray]],
+) -> list[VariableDrift]:
     """One `VariableDrift` per variable.
 
     Args:
@@ -86,7 +97,11 @@ def variable_drifts(paths, start, big, accumulated, reordered):
     return drifts
 
 
-def _largest_difference(run, reference, i):
+def _largest_difference(
+    run: Sequence[Sequence[np.ndarray]],
+    reference: Sequence[Sequence[np.ndarray]],
+    i: int,
+) -> float:
     """The largest |difference| of variable `i` after any update."""
     return float(
         max(
@@ -96,7 +111,9 @@ def _largest_difference(run, reference, i):
     )
 
 
-def per_update(runs, big):
+def per_update(
+    runs: Sequence[Sequence[np.ndarray]], big: Sequence[Sequence[np.ndarray]]
+) -> list[float]:
     """The largest |difference| over all variables after each update."""
     return [
         float(max(np.max(np.abs(a - b), initial=0.0) for a, b in zip(x, y)))
@@ -128,18 +145,26 @@ class ExactnessReport:
     batch_size: int
     accum_iters: int
     updates: int
-    drift: list
-    floor: list
-    table: list
-    causes: list
-    notes: list = dataclasses.field(default_factory=list)
+    drift: list[float]
+    floor: list[float]
+    table: list[VariableDrift]
+    causes: list[Cause]
+    notes: list[str] = dataclasses.field(default_factory=list)
 
-    def __str__(self):
+    def __str__(self) -> str:
         return "\n".join(self.lines())
 
-    def lines(self, max_rows=12):
-        """The report as text lines; the `max_rows` variables that drift
-        most, relative to their tolerance, when there are more."""
+    def lines(self, max_rows: int = 12) -> list[str]:
+        """The report as text lines.
+
+        Args:
+            max_rows: Integer. The most variables listed: those that drift
+                most, relative to their tolerance, when there are more.
+                Defaults to `12`.
+
+        Returns:
+            The lines, without line ends.
+        """
         big = self.accum_iters * self.batch_size
         lines = [
             f"{self.optimizer} at batch_size={self.batch_size} against its "
@@ -195,7 +220,7 @@ class ExactnessReport:
         return lines
 
 
-def _spread(updates, count):
+def _spread(updates: int, count: int) -> list[int]:
     """Up to `count` update numbers from 1 to `updates`, evenly spread."""
     if updates <= count:
         return list(range(1, updates + 1))
@@ -203,13 +228,13 @@ def _spread(updates, count):
     return sorted({1} | {round(i * step) for i in range(1, count)})
 
 
-def _drift_over_tolerance(variable):
+def _drift_over_tolerance(variable: VariableDrift) -> float:
     if variable.tolerance:
         return variable.drift / variable.tolerance
     return np.inf if variable.drift else 0.0
 
 
-def _wrap(text, first, rest):
+def _wrap(text: str, first: str, rest: str) -> list[str]:
     return textwrap.wrap(
         text,
         width=76,
