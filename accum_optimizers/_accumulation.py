@@ -112,9 +112,7 @@ class GradientAccumulation:
         unbuilt = len(self.variables)
         super().build(variables)
         parent = len(self.variables)
-        state = window_state(
-            self.measure_noise_scale, adascale.uses_adascale(self)
-        )
+        state = window_state(self.measure_noise_scale, adascale.follows(self))
         if self._has_window:
             self._window = build_window(self, variables, state)
         self._accum_layout = Layout(unbuilt, parent, len(self.variables), state)
@@ -331,7 +329,7 @@ class GradientAccumulation:
         return step.weighed_loss(self, super().scale_loss(loss))
 
     def _get_current_learning_rate(self):
-        if adascale.uses_adascale(self):
+        if adascale.follows(self):
             learning_rate = adascale.learning_rate(self)
         elif schedules.keyed_on_samples(self._learning_rate):
             learning_rate = self._learning_rate.at_samples(counts.samples(self))
@@ -472,10 +470,19 @@ class GradientAccumulation:
         return adascale.read(self, "adascale_gain")
 
     @property
+    def window_scale(self):
+        """A scaling rule's `S` of the last update (`schedules.
+        linear_scaling`, `sqrt_scaling`): its window's weight over
+        `base_batch_size`, the base steps it stood for; NaN without such a
+        learning rate, `0` before the first update."""
+        return adascale.read(self, "window_scale")
+
+    @property
     def scale_invariant_step(self):
-        """AdaScale's scale-invariant step: the base schedule's progress,
-        the sum of the gains of the updates applied (NaN without an
-        AdaScale learning rate)."""
+        """The scale-invariant step of a learning rate that follows the
+        window: the base schedule's progress, the base steps the updates
+        applied stood for (the sum of AdaScale's gains, or of a scaling
+        rule's `S`); NaN without such a learning rate."""
         return adascale.read(self, "scale_invariant_step")
 
     def _updates(self):

@@ -62,31 +62,42 @@ def is_adascale(learning_rate):
     return isinstance(learning_rate, AdaScaleLearningRate)
 
 
-@register_keras_serializable(package=_PACKAGE)
-class AdaScaleLearningRate(LearningRateSchedule):
-    """The AdaScale learning rate (`adascale`).
+def follows_window(learning_rate):
+    """Whether `learning_rate` (an optimizer's) is scaled per window:
+    AdaScale's, or a scaling rule's (`linear_scaling`, `sqrt_scaling`)."""
+    return isinstance(learning_rate, WindowScaledLearningRate)
 
-    An accumulating optimizer evaluates it at its scale-invariant step with
-    its gain; any other optimizer would call it with its update count, so
-    calling it raises.
+
+class WindowScaledLearningRate(LearningRateSchedule):
+    """A base learning rate scaled per window, on the base run's clock.
+
+    An accumulating optimizer evaluates it `at(tau, steps)`: `tau` the
+    scale-invariant step (the base steps its updates stood for), `steps`
+    the base steps the update being applied stands for (`base_steps`).
+    Any other optimizer would call it with its update count, so calling it
+    raises.
 
     Args:
-        learning_rate: a float, or a `LearningRateSchedule`.
+        learning_rate: a float, or a `LearningRateSchedule` keyed on the
+            base run's updates.
         base_batch_size: Number > 0, see `adascale`.
     """
+
+    # What the optimizer needs besides (for the error of a plain call).
+    _needs = ""
 
     def __init__(self, learning_rate, base_batch_size):
         if isinstance(learning_rate, dict):
             learning_rate = keras.saving.deserialize_keras_object(learning_rate)
         # (A `by_samples` schedule is evaluated `at_samples`.)
-        if isinstance(learning_rate, AdaScaleLearningRate) or hasattr(
+        if isinstance(learning_rate, WindowScaledLearningRate) or hasattr(
             learning_rate, "at_samples"
         ):
             raise TypeError(
                 "`learning_rate` must be a float or a `keras.optimizers."
-                "schedules.LearningRateSchedule` keyed on updates: AdaScale "
-                "calls it with its scale-invariant step. Received: "
-                f"learning_rate={learning_rate!r}"
+                "schedules.LearningRateSchedule` keyed on updates: it is "
+                "called with the scale-invariant step, in the base run's "
+                f"updates. Received: learning_rate={learning_rate!r}"
             )
         if not isinstance(learning_rate, LearningRateSchedule):
             if not is_real_number(learning_rate) or not (
@@ -110,19 +121,36 @@ class AdaScaleLearningRate(LearningRateSchedule):
 
     def __call__(self, step):
         raise TypeError(
-            "adascale(...) scales the learning rate by the gain of an "
-            "accumulating optimizer's window; pass it as the "
-            "`learning_rate` of an `accum_optimizers` optimizer with "
-            "`measure_noise_scale=True`, not of a plain Keras optimizer."
+            f"{self!r} scales the learning rate by an accumulating "
+            "optimizer's window; pass it as the `learning_rate` of an "
+            f"`accum_optimizers` optimizer{self._needs}, not of a plain "
+            "Keras optimizer."
         )
 
-    def at(self, scale_invariant_step, gain):
-        """`gain` times the base learning rate at `scale_invariant_step`
-        (float32 scalars)."""
+    def scale(self, window_weight):
+        """`S`: the window's weight over the base batch (float32)."""
+        return ops.divide(window_weight, float(self.base_batch_size))
+
+    def base_steps(self, window_weight):
+        """The base steps an update of a window of `window_weight` (float32,
+        the noise scale's unit) stands for: its `S` for a scaling rule."""
+        return self.scale(window_weight)
+
+    def factor(self, scale_invariant_step, steps):
+        """What the base rate is multiplied by, for an update standing for
+        `steps` base steps at `scale_invariant_step` (float32 scalars)."""
+        raise NotImplementedError
+
+    def at(self, scale_invariant_step, steps):
+        """The update's learning rate: `factor` times the base learning
+        rate at `scale_invariant_step` (float32 scalars)."""
         base = self.learning_rate
         if isinstance(base, LearningRateSchedule):
             base = base(scale_invariant_step)
-        return ops.multiply(ops.cast(base, "float32"), gain)
+        return ops.multiply(
+            ops.cast(base, "float32"),
+            self.factor(scale_invariant_step, steps),
+        )
 
     def get_config(self):
         learning_rate = self.learning_rate
@@ -132,6 +160,26 @@ class AdaScaleLearningRate(LearningRateSchedule):
             "learning_rate": learning_rate,
             "base_batch_size": self.base_batch_size,
         }
+
+
+@register_keras_serializable(package=_PACKAGE)
+class AdaScaleLearningRate(WindowScaledLearningRate):
+    """The AdaScale learning rate (`adascale`).
+
+    An accumulating optimizer evaluates it at its scale-invariant step with
+    its gain; any other optimizer would call it with its update count, so
+    calling it raises.
+
+    Args:
+        learning_rate: a float, or a `LearningRateSchedule`.
+        base_batch_size: Number > 0, see `adascale`.
+    """
+
+    _needs = " with `measure_noise_scale=True`"
+
+    def factor(self, scale_invariant_step, steps):
+        """The gain `r`: the base steps the update stands for."""
+        return steps
 
     def __repr__(self):
         return (
