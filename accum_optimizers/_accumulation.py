@@ -148,7 +148,8 @@ class GradientAccumulation:
     @property
     def _has_window(self):
         """Whether the optimizer keeps a window (decided when it is built):
-        for `accum_iters > 1`, to skip, to measure, to count samples."""
+        for `accum_iters > 1`, to skip, to measure, to count samples or
+        the base steps of a learning rate that follows the window."""
         layout = self.__dict__.get("_accum_layout")
         if layout is not None:
             return layout.has_window
@@ -158,6 +159,7 @@ class GradientAccumulation:
             or self.skip_nonfinite
             or self.measure_noise_scale
             or schedules.keyed_on_samples(self._learning_rate)
+            or adascale.follows(self)
         )
 
     @unconverted

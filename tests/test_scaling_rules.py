@@ -186,7 +186,11 @@ def test_each_update_takes_the_rule_s_rate_on_the_base_run_s_clock(case):
 
 @pytest.mark.parametrize(
     "rule, weighted, accum_iters",
-    [(("linear", 5.0), True, 4), (("sqrt", 0), False, 3)],
+    [
+        (("linear", 5.0), True, 4),
+        (("sqrt", 0), False, 3),
+        (("linear", 0), False, 1),  # a window kept for the clock
+    ],
 )
 def test_a_window_of_the_base_batch_equals_the_base_run(
     rule, weighted, accum_iters
