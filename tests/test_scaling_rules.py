@@ -294,6 +294,31 @@ def test_a_run_saved_mid_window_resumes_exactly(resume, tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("accum_iters", [1, 2])
+def test_a_state_saved_without_a_rule_continues_the_base_schedule(
+    accum_iters,
+):
+    """The parent Adam's state loaded into an optimizer with a rule: each
+    update it applied was one base step (`tau` 5, the last `S` 1), and the
+    next update's rate is the base rate at 5 (`S = 1` here)."""
+    variables = [keras.Variable(np.ones(s, "float32")) for s in (3, 2)]
+    parent = keras.optimizers.Adam(learning_rate=_base_schedule())
+    parent.build(variables)
+    for _ in range(5):
+        parent.apply([keras.ops.ones(v.shape) for v in variables], variables)
+    store = {}
+    parent.save_own_variables(store)
+    optimizer = AdamAccumulate(
+        learning_rate=_rule(("linear", 3.0), accum_iters),
+        accum_iters=accum_iters,
+    )
+    optimizer.build(variables)
+    optimizer.load_own_variables(store)
+    assert _value(optimizer.scale_invariant_step) == 5.0
+    assert _value(optimizer.window_scale) == 1.0
+    assert _value(optimizer.learning_rate) == pytest.approx(_base_rate(5))
+
+
 @pytest.mark.parametrize("rule", [("linear", 2.5), ("sqrt", 0)])
 def test_its_config_round_trips(rule):
     optimizer = AdamAccumulate(

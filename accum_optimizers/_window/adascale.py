@@ -102,10 +102,10 @@ def read(optimizer, what):
     nan = ops.convert_to_tensor(float("nan"), "float32")
     if what == "scale_invariant_step":
         known = follows(optimizer)
-    else:
-        known = follows(optimizer) and uses_adascale(optimizer) == (
-            what == "adascale_gain"
-        )
+    elif what == "adascale_gain":
+        known = uses_adascale(optimizer)
+    else:  # `window_scale`
+        known = follows(optimizer) and not uses_adascale(optimizer)
     if not known:
         return nan
     window = optimizer._window
