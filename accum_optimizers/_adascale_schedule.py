@@ -13,6 +13,9 @@ advances `tau` by `r`: each update stands for `r` base steps, so while the
 noise dominates (`r` near `S`) a run at scale `S` follows the base run per
 sample with `S` times fewer updates. `_window/adascale.py` computes `r` at
 each window's close.
+
+`WindowScaledLearningRate`, its base class, is also the scaling rules'
+(`_scaling_rules.py`), which take `S` where AdaScale takes `r`.
 """
 
 import keras
@@ -127,14 +130,12 @@ class WindowScaledLearningRate(LearningRateSchedule):
             "Keras optimizer."
         )
 
-    def scale(self, window_weight):
-        """`S`: the window's weight over the base batch (float32)."""
-        return ops.divide(window_weight, float(self.base_batch_size))
-
     def base_steps(self, window_weight):
         """The base steps an update of a window of `window_weight` (float32,
-        the noise scale's unit) stands for: its `S` for a scaling rule."""
-        return self.scale(window_weight)
+        the noise scale's unit) stands for: a scaling rule's `S =
+        window_weight / base_batch_size` (AdaScale's gain is computed at
+        the close, `_window/adascale.py`)."""
+        return ops.divide(window_weight, float(self.base_batch_size))
 
     def factor(self, scale_invariant_step, steps):
         """What the base rate is multiplied by, for an update standing for
