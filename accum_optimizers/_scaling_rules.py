@@ -14,6 +14,7 @@ generalize better", 2017) takes `sqrt(S)`. AdaScale
 """
 
 from keras import ops
+from keras.optimizers.schedules import LearningRateSchedule
 from keras.saving import register_keras_serializable
 
 from accum_optimizers._adascale_schedule import WindowScaledLearningRate
@@ -23,7 +24,11 @@ from accum_optimizers._validation import plain_number
 _PACKAGE = "accum_optimizers"
 
 
-def linear_scaling(learning_rate, base_batch_size, warmup_steps=0):
+def linear_scaling(
+    learning_rate: float | LearningRateSchedule,
+    base_batch_size: float,
+    warmup_steps: float = 0,
+) -> "LinearScalingLearningRate":
     """Scales `learning_rate` linearly with the window (Goyal et al. 2017).
 
     Pass it as the `learning_rate` of any accumulating optimizer. A window
@@ -62,7 +67,9 @@ def linear_scaling(learning_rate, base_batch_size, warmup_steps=0):
     )
 
 
-def sqrt_scaling(learning_rate, base_batch_size):
+def sqrt_scaling(
+    learning_rate: float | LearningRateSchedule, base_batch_size: float
+) -> "SqrtScalingLearningRate":
     """Scales `learning_rate` by the square root of the window (Krizhevsky
     2014; Hoffer et al. 2017).
 
