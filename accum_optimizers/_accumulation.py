@@ -128,9 +128,7 @@ class GradientAccumulation(_Optimizer):
         unbuilt = len(self.variables)
         super().build(variables)
         parent = len(self.variables)
-        state = window_state(
-            self.measure_noise_scale, adascale.uses_adascale(self)
-        )
+        state = window_state(self.measure_noise_scale, adascale.follows(self))
         if self._has_window:
             self._window = build_window(self, variables, state)
         self._accum_layout = Layout(unbuilt, parent, len(self.variables), state)
@@ -166,7 +164,8 @@ class GradientAccumulation(_Optimizer):
     @property
     def _has_window(self) -> bool:
         """Whether the optimizer keeps a window (decided when it is built):
-        for `accum_iters > 1`, to skip, to measure, to count samples."""
+        for `accum_iters > 1`, to skip, to measure, to count samples or
+        the base steps of a learning rate that follows the window."""
         layout = self.__dict__.get("_accum_layout")
         if layout is not None:
             return layout.has_window
@@ -178,6 +177,7 @@ class GradientAccumulation(_Optimizer):
             or schedules.keyed_on_samples(
                 _keras_private.learning_rate_as_given(self)
             )
+            or adascale.follows(self)
         )
 
     @unconverted
@@ -397,7 +397,7 @@ class GradientAccumulation(_Optimizer):
 
     def _get_current_learning_rate(self) -> Any:
         given = _keras_private.learning_rate_as_given(self)
-        if adascale.uses_adascale(self):
+        if adascale.follows(self):
             learning_rate = adascale.learning_rate(self)
         elif schedules.keyed_on_samples(given):
             learning_rate = given.at_samples(counts.samples(self))
@@ -544,10 +544,19 @@ class GradientAccumulation(_Optimizer):
         return adascale.read(self, "adascale_gain")
 
     @property
+    def window_scale(self) -> Any:
+        """A scaling rule's `S` of the last update (`schedules.
+        linear_scaling`, `sqrt_scaling`): its window's weight over
+        `base_batch_size`, the base steps it stood for; NaN without such a
+        learning rate, `0` before the first update."""
+        return adascale.read(self, "window_scale")
+
+    @property
     def scale_invariant_step(self) -> Any:
-        """AdaScale's scale-invariant step: the base schedule's progress,
-        the sum of the gains of the updates applied (NaN without an
-        AdaScale learning rate)."""
+        """The scale-invariant step of a learning rate that follows the
+        window: the base schedule's progress, the base steps the updates
+        applied stood for (the sum of AdaScale's gains, or of a scaling
+        rule's `S`); NaN without such a learning rate."""
         return adascale.read(self, "scale_invariant_step")
 
     def _updates(self) -> Any:

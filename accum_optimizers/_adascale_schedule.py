@@ -13,6 +13,9 @@ advances `tau` by `r`: each update stands for `r` base steps, so while the
 noise dominates (`r` near `S`) a run at scale `S` follows the base run per
 sample with `S` times fewer updates. `_window/adascale.py` computes `r` at
 each window's close.
+
+`WindowScaledLearningRate`, its base class, is also the scaling rules'
+(`_scaling_rules.py`), which take `S` where AdaScale takes `r`.
 """
 
 from __future__ import annotations
@@ -74,18 +77,29 @@ def is_adascale(learning_rate: Any) -> bool:
     return isinstance(learning_rate, AdaScaleLearningRate)
 
 
-@register_keras_serializable(package=_PACKAGE)
-class AdaScaleLearningRate(LearningRateSchedule):
-    """The AdaScale learning rate (`adascale`).
+def follows_window(learning_rate: Any) -> bool:
+    """Whether `learning_rate` (an optimizer's) is scaled per window:
+    AdaScale's, or a scaling rule's (`linear_scaling`, `sqrt_scaling`)."""
+    return isinstance(learning_rate, WindowScaledLearningRate)
 
-    An accumulating optimizer evaluates it at its scale-invariant step with
-    its gain; any other optimizer would call it with its update count, so
-    calling it raises.
+
+class WindowScaledLearningRate(LearningRateSchedule):
+    """A base learning rate scaled per window, on the base run's clock.
+
+    An accumulating optimizer evaluates it `at(tau, steps)`: `tau` the
+    scale-invariant step (the base steps its updates stood for), `steps`
+    the base steps the update being applied stands for (`base_steps`).
+    Any other optimizer would call it with its update count, so calling it
+    raises.
 
     Args:
-        learning_rate: a float, or a `LearningRateSchedule`.
+        learning_rate: a float, or a `LearningRateSchedule` keyed on the
+            base run's updates.
         base_batch_size: Number > 0, see `adascale`.
     """
+
+    # What the optimizer needs besides (for the error of a plain call).
+    _needs = ""
 
     def __init__(
         self,
@@ -95,14 +109,14 @@ class AdaScaleLearningRate(LearningRateSchedule):
         if isinstance(learning_rate, dict):
             learning_rate = keras.saving.deserialize_keras_object(learning_rate)
         # (A `by_samples` schedule is evaluated `at_samples`.)
-        if isinstance(learning_rate, AdaScaleLearningRate) or hasattr(
+        if isinstance(learning_rate, WindowScaledLearningRate) or hasattr(
             learning_rate, "at_samples"
         ):
             raise TypeError(
                 "`learning_rate` must be a float or a `keras.optimizers."
-                "schedules.LearningRateSchedule` keyed on updates: AdaScale "
-                "calls it with its scale-invariant step. Received: "
-                f"learning_rate={learning_rate!r}"
+                "schedules.LearningRateSchedule` keyed on updates: it is "
+                "called with the scale-invariant step, in the base run's "
+                f"updates. Received: learning_rate={learning_rate!r}"
             )
         if not isinstance(learning_rate, LearningRateSchedule):
             if not is_real_number(learning_rate) or not (
@@ -132,27 +146,43 @@ class AdaScaleLearningRate(LearningRateSchedule):
                 `measure_noise_scale=True`.
         """
         raise TypeError(
-            "adascale(...) scales the learning rate by the gain of an "
-            "accumulating optimizer's window; pass it as the "
-            "`learning_rate` of an `accum_optimizers` optimizer with "
-            "`measure_noise_scale=True`, not of a plain Keras optimizer."
+            f"{self!r} scales the learning rate by an accumulating "
+            "optimizer's window; pass it as the `learning_rate` of an "
+            f"`accum_optimizers` optimizer{self._needs}, not of a plain "
+            "Keras optimizer."
         )
 
-    def at(self, scale_invariant_step: Any, gain: Any) -> Any:
+    def base_steps(self, window_weight: Any) -> Any:
+        """The base steps an update of a window of `window_weight` (float32,
+        the noise scale's unit) stands for: a scaling rule's `S =
+        window_weight / base_batch_size` (AdaScale's gain is computed at
+        the close, `_window/adascale.py`)."""
+        return ops.divide(window_weight, float(self.base_batch_size))
+
+    def factor(self, scale_invariant_step: Any, steps: Any) -> Any:
+        """What the base rate is multiplied by, for an update standing for
+        `steps` base steps at `scale_invariant_step` (float32 scalars)."""
+        raise NotImplementedError
+
+    def at(self, scale_invariant_step: Any, steps: Any) -> Any:
         """The learning rate of an update.
 
         Args:
             scale_invariant_step: `tau`, a float32 scalar.
-            gain: AdaScale's gain `r`, a float32 scalar.
+            steps: the base steps the update stands for (AdaScale's gain
+                `r`, a scaling rule's `S`), a float32 scalar.
 
         Returns:
-            `gain` times the base learning rate at `scale_invariant_step`,
-            a float32 scalar.
+            `factor` times the base learning rate at
+            `scale_invariant_step`, a float32 scalar.
         """
         base = self.learning_rate
         if isinstance(base, LearningRateSchedule):
             base = base(scale_invariant_step)
-        return ops.multiply(ops.cast(base, "float32"), gain)
+        return ops.multiply(
+            ops.cast(base, "float32"),
+            self.factor(scale_invariant_step, steps),
+        )
 
     def get_config(self) -> dict[str, Any]:
         learning_rate = self.learning_rate
@@ -162,6 +192,26 @@ class AdaScaleLearningRate(LearningRateSchedule):
             "learning_rate": learning_rate,
             "base_batch_size": self.base_batch_size,
         }
+
+
+@register_keras_serializable(package=_PACKAGE)
+class AdaScaleLearningRate(WindowScaledLearningRate):
+    """The AdaScale learning rate (`adascale`).
+
+    An accumulating optimizer evaluates it at its scale-invariant step with
+    its gain; any other optimizer would call it with its update count, so
+    calling it raises.
+
+    Args:
+        learning_rate: a float, or a `LearningRateSchedule`.
+        base_batch_size: Number > 0, see `adascale`.
+    """
+
+    _needs = " with `measure_noise_scale=True`"
+
+    def factor(self, scale_invariant_step: Any, steps: Any) -> Any:
+        """The gain `r`: the base steps the update stands for."""
+        return steps
 
     def __repr__(self) -> str:
         return (

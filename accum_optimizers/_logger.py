@@ -20,6 +20,7 @@ from accum_optimizers._inner import count_updates_in_multi_optimizer
 from accum_optimizers._inner import refuse_skips_with_accum_batch_norm
 from accum_optimizers._inner import shown_window
 from accum_optimizers._inner import window_of
+from accum_optimizers._window.adascale import follows
 from accum_optimizers._window.adascale import uses_adascale
 from accum_optimizers._window.noise import measuring
 from accum_optimizers._window.noise import read_outs_of
@@ -54,7 +55,9 @@ class AccumulationLogger(keras.callbacks.Callback):
       that measure them, and their ratio);
     - with `learning_rate=schedules.adascale(...)`: `adascale_gain`, the
       last update's gain, and `scale_invariant_step`, the base schedule's
-      progress (stop when it reaches the base run's length).
+      progress (stop when it reaches the base run's length); with
+      `schedules.linear_scaling(...)` or `sqrt_scaling(...)`:
+      `window_scale`, the last update's `S`, and `scale_invariant_step`.
 
     The progress bar then shows them beside the loss, `History` records
     their values at each epoch's end, and callbacks listed after this one
@@ -79,7 +82,8 @@ class AccumulationLogger(keras.callbacks.Callback):
       samples);
     - `accumulation/window_loss`, `accumulation/window_grad_norm`,
       `accumulation/skipped_micro_batches`, `accumulation/samples_seen`
-      the noise scale's three and AdaScale's two: as in `logs`.
+      the noise scale's three and AdaScale's or a scaling rule's two:
+      as in `logs`.
 
     A point is written at each epoch's end and, with `update_freq`, after
     batches that applied an update; none before the first update. The
@@ -189,8 +193,7 @@ class AccumulationLogger(keras.callbacks.Callback):
         self._record: tuple[str, ...] = _WINDOW_RECORD
         if measuring(accumulating_of_model(self.model, "AccumulationLogger")):
             self._record = _WINDOW_RECORD + _NOISE_RECORD
-        if uses_adascale(self._optimizer()):
-            self._record += _ADASCALE_RECORD
+        self._record += _scaling_record(self._optimizer())
         self.windows = {name: [] for name in self._record}
         if self.log_dir is not None:
             self._writer = _tensorboard.scalar_writer(
@@ -278,11 +281,10 @@ class AccumulationLogger(keras.callbacks.Callback):
         )
         if optimizers:
             metrics.update(read_outs_of(optimizers))
-        if uses_adascale(optimizer):
-            for name in _ADASCALE_RECORD:
-                metrics[name] = float(
-                    ops.convert_to_numpy(getattr(optimizer, name))
-                )
+        for name in _scaling_record(optimizer):
+            metrics[name] = float(
+                ops.convert_to_numpy(getattr(optimizer, name))
+            )
         if isinstance(logs, dict):
             logs["updates"] = updates
             logs["micro_steps"] = micro_steps
@@ -350,8 +352,19 @@ _WINDOW_RECORD = (
 _NOISE_RECORD = ("noise_scale", "gradient_sq_norm", "gradient_noise_trace")
 
 
-# And with an AdaScale learning rate.
+# And with an AdaScale learning rate, or a scaling rule's.
 _ADASCALE_RECORD = ("adascale_gain", "scale_invariant_step")
+_SCALING_RULE_RECORD = ("window_scale", "scale_invariant_step")
+
+
+def _scaling_record(optimizer: Any) -> tuple[str, ...]:
+    """What it records of `optimizer`'s learning rate that follows the
+    window: AdaScale's two, a scaling rule's two, or nothing."""
+    if uses_adascale(optimizer):
+        return _ADASCALE_RECORD
+    if follows(optimizer):
+        return _SCALING_RULE_RECORD
+    return ()
 
 
 def _is_positive_int(value: Any) -> bool:

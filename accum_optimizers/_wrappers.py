@@ -35,8 +35,9 @@ methods of its own, set on that instance only, around its class' methods:
   the inner optimizers with `skip_nonfinite=True`, so that they skip the
   same micro-batches: each checking its own variables only would let one
   skip a micro-batch another adds, and their windows drift apart;
-- `apply` refuses an inner optimizer with an AdaScale learning rate
-  beside others: AdaScale's gain is the whole model's;
+- `apply` refuses an inner optimizer with an AdaScale learning rate or a
+  scaling rule's beside others: AdaScale's gain and a rule's clock are
+  the whole model's;
 - `apply` warns, once, of inner optimizers whose windows `by_noise_scale`
   sizes, each from its own variables, or whose windows differ (another
   `accum_iters`, or an optimizer that does not accumulate): no big batch

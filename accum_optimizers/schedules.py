@@ -303,9 +303,13 @@ def _dtype(value: Any) -> str:
 
 
 # Keyed on the measured noise scale (a module of its own, which subclasses
-# `AccumSchedule` above), and AdaScale's learning rate.
+# `AccumSchedule` above), AdaScale's learning rate and the scaling rules.
 from accum_optimizers._adascale_schedule import AdaScaleLearningRate  # noqa: E402, F401
 from accum_optimizers._adascale_schedule import adascale  # noqa: E402, F401
 from accum_optimizers._noise_schedule import NoiseScaleAccumIters  # noqa: E402, F401
 from accum_optimizers._noise_schedule import by_noise_scale  # noqa: E402, F401
 from accum_optimizers._noise_schedule import keyed_on_noise_scale  # noqa: E402, F401
+from accum_optimizers._scaling_rules import LinearScalingLearningRate  # noqa: E402, F401
+from accum_optimizers._scaling_rules import SqrtScalingLearningRate  # noqa: E402, F401
+from accum_optimizers._scaling_rules import linear_scaling  # noqa: E402, F401
+from accum_optimizers._scaling_rules import sqrt_scaling  # noqa: E402, F401

@@ -115,6 +115,10 @@ class Run:
     # AdaScale turned on at the resume ("keras": `load_weights` of the
     # `.keras` file; "weights"): the first part trains at the base rate.
     adascale_from_resume: bool = False
+    # A scaling rule's learning rate ("linear" or "sqrt", any optimizer;
+    # the base batch as AdaScale's), and the linear rule's warm-up.
+    rule: Optional[str] = None
+    rule_warmup: float = 0.0
     # Micro-batches (of the epoch) whose sample weights are all 0.
     weightless: tuple = ()
     # "dense" (`helpers.small_model`) or "embedding"
@@ -145,9 +149,14 @@ class Run:
     @property
     def windowless(self):
         """Whether the optimizer keeps no window (before a resume that
-        sets `accum_after`): `accum_iters=1` without skipping or measuring
-        the noise scale."""
-        return self.accum == 1 and not self.skip and not self.noise
+        sets `accum_after`): `accum_iters=1` without skipping, measuring
+        the noise scale or a scaling rule."""
+        return (
+            self.accum == 1
+            and not self.skip
+            and not self.noise
+            and self.rule is None
+        )
 
     @property
     def noise_schedule(self):
@@ -266,8 +275,8 @@ def with_graph_check(run, model):
     if run is not None and run.graph_check == "constraint":
         import tensorflow as tf
 
-        model.trainable_variables[0].constraint = (
-            lambda w: tf.debugging.check_numerics(w, CHECK_MESSAGE)
+        model.trainable_variables[0].constraint = lambda w: (
+            tf.debugging.check_numerics(w, CHECK_MESSAGE)
         )
     return model
 
@@ -305,6 +314,16 @@ def _compile_ours(run, model, adascale=None):
     options.update(measuring)
     if adascale:
         options["learning_rate"] = ao_schedules.adascale(
+            options["learning_rate"], base_batch_size=adascale_base(run)
+        )
+    if run.rule == "linear":
+        options["learning_rate"] = ao_schedules.linear_scaling(
+            options["learning_rate"],
+            base_batch_size=adascale_base(run),
+            warmup_steps=run.rule_warmup,
+        )
+    elif run.rule == "sqrt":
+        options["learning_rate"] = ao_schedules.sqrt_scaling(
             options["learning_rate"], base_batch_size=adascale_base(run)
         )
     optimizer = cls(
@@ -356,8 +375,19 @@ def _multi_optimizer(model, first, second, mapped_by="map"):
 
 
 def adascale_base(run):
-    """AdaScale's base batch in the noise scale's unit: one micro-batch."""
+    """AdaScale's base batch in the noise scale's unit: one micro-batch;
+    a scaling rule's too."""
     return float(run.micro_batch) if run.weighted else 1.0
+
+
+def rule_factor(run, scale, tau):
+    """A scaling rule's factor of the base rate for a window `scale` times
+    the base batch at `tau`, as the docs define it (float64)."""
+    if run.rule == "sqrt":
+        return float(np.sqrt(scale))
+    if not run.rule_warmup or scale <= 1:
+        return scale
+    return 1 + (scale - 1) * min(1.0, tau / run.rule_warmup)
 
 
 def accumulating(model):
@@ -504,6 +534,7 @@ def train_ours(run, tmp_path):
     return {
         **outcome(model, windows),
         **noise_outcome(run, _in_model_order(model), noise_logged),
+        **rule_outcome(run, accumulating(model)),
     }
 
 
@@ -664,6 +695,7 @@ def _train_parent(run):
                 NoiseOracle(run, slice(head, None)),
             ]
     noise = noises[0] if noises else None
+    scales = []  # a scaling rule's `S` of each update
 
     def train(window):
         """The parent's step on the window's big batch (and the noise
@@ -683,6 +715,13 @@ def _train_parent(run):
                 adascale_base(run),
             )
             optimizer.learning_rate = options["learning_rate"] * gain
+        elif run.rule:
+            # `S`, the rule's factor at `tau` (the earlier windows' `S`).
+            weight = sum(counts) if run.weighted else len(window)
+            scale = weight / adascale_base(run)
+            factor = rule_factor(run, scale, sum(scales))
+            optimizer.learning_rate = options["learning_rate"] * factor
+            scales.append(scale)
         rows = np.concatenate([_rows(run, j) for j in window])
         coefficient = np.concatenate(
             [
@@ -716,6 +755,7 @@ def _train_parent(run):
         "losses": losses,
         "windows": windows,
         "noise": noises,
+        "scales": scales,
     }
 
 
@@ -945,6 +985,28 @@ class NoiseOracle:
         return dict(
             zip(NOISE_READ_OUTS, [self.noise_scale(), *averages, *windows])
         )
+
+
+def rule_outcome(run, optimizer):
+    """A scaling rule's read-outs after a run: `window_scale` and
+    `scale_invariant_step` (nothing without a rule)."""
+    if run.rule is None:
+        return {}
+    names = ("window_scale", "scale_invariant_step")
+    return {"rule": [float(to_numpy(getattr(optimizer, n))) for n in names]}
+
+
+def assert_same_rule(run, ours, parent):
+    """A scaling rule's read-outs are the oracle's: the last update's `S`,
+    and `tau` their sum (its rates set the parent's learning rates, so
+    the weights judge the rule's factors)."""
+    scales = parent["scales"]
+    np.testing.assert_allclose(
+        ours["rule"],
+        [scales[-1] if scales else 0.0, sum(scales)],
+        rtol=1e-5,
+        err_msg="window_scale, scale_invariant_step",
+    )
 
 
 def noise_outcome(run, optimizers, logged):

@@ -424,6 +424,15 @@ def test_model_optimizer_and_random_state_are_left_as_they_were():
             },
             "learning_rate=adascale",
         ),
+        (
+            {
+                "optimizer": AdamAccumulate(
+                    learning_rate=schedules.sqrt_scaling(0.1, 4),
+                    accum_iters=2,
+                )
+            },
+            "learning_rate=sqrt_scaling",
+        ),
     ],
 )
 def test_bad_arguments_are_refused_naming_argument_and_value(kwargs, error):

@@ -31,6 +31,7 @@ from fuzz_runs import AmbiguousWindow
 from fuzz_runs import MemoryRun
 from fuzz_runs import Run
 from fuzz_runs import assert_same_noise
+from fuzz_runs import assert_same_rule
 from fuzz_runs import assert_same_run
 from fuzz_runs import data
 from fuzz_runs import graph_check_failed
@@ -147,6 +148,13 @@ def runs(draw):
     if adascale and draw(st.booleans()):
         run.optimizer = "sgd"
         run.adascale = True
+    # Or a scaling rule (any optimizer): the oracle's `S` and `tau` set
+    # the parent's learning rate at each window. Under a
+    # `MultiOptimizer`, refused.
+    if not run.adascale:
+        run.rule = draw(st.sampled_from([None, None, "linear", "sqrt"]))
+        if run.rule == "linear":
+            run.rule_warmup = draw(st.sampled_from([0.0, 2.5]))
     if run.sample_weight and draw(st.booleans()):
         run.reduction = "mean_with_sample_weight"
     if run.adascale and not run.multi and draw(st.booleans()):
@@ -195,8 +203,8 @@ def runs(draw):
     # too) or eagerly: the window's close must keep it, compiled or not.
     if BACKEND == "tensorflow" and not _xla_step(run.jit_compile):
         checks = [None, "constraint"]
-        if not run.adascale:  # AdaScale reads its base rate at `tau`
-            checks.append("schedule")
+        if not run.adascale and run.rule is None:
+            checks.append("schedule")  # the rules read theirs at `tau`
         run.graph_check = draw(st.sampled_from(checks))
         run.check_updates = draw(st.sampled_from([1, 3]))
     return run
@@ -265,6 +273,11 @@ def check(run, tmp_path, holes=True):
         with pytest.raises(ValueError, match="MultiOptimizer '.*AdaScale"):
             train_ours(run, tmp_path)
         return
+    if run.multi and run.rule:
+        # A scaling rule's `tau` is the model's clock.
+        with pytest.raises(ValueError, match="MultiOptimizer '.*follows"):
+            train_ours(run, tmp_path)
+        return
     if _refuses_a_pending_window_too_long(run):
         with pytest.raises(ValueError, match="holds a pending window of"):
             train_ours(run, tmp_path)
@@ -293,6 +306,8 @@ def check(run, tmp_path, holes=True):
     assert_same_run(run, ours, parent, initial, unchecked)
     if run.noise:
         assert_same_noise(run, ours, parent)
+    if run.rule:
+        assert_same_rule(run, ours, parent)
     return ours, parent
 
 
@@ -713,6 +728,60 @@ def test_adascale_with_windows_of_weight_0(tmp_path):
     )
     _, parent = check(run, tmp_path)
     assert parent["noise"][0].gains[1] == 0.0
+
+
+def test_scaling_rules_where_windows_change(tmp_path):
+    # The linear rule with its warm-up on Adam: weighted windows of 2 then
+    # 3 (a dict), one of weight 0 (micro-batches 2 and 3: `S` 0, rate 0,
+    # `tau` unmoved), a skipped micro-batch, a short window flushed at the
+    # epoch's end, a `.keras` resume mid-window; the parent's rate at each
+    # window is the oracle's.
+    run = Run(
+        optimizer="adam",
+        accum={0: 2, 2: 3},
+        micro_batch=3,
+        samples=26,
+        weighted=True,
+        sample_weight=True,
+        reduction="mean_with_sample_weight",
+        weightless=(2, 3),
+        flush=True,
+        skip=True,
+        bad=(5,),
+        resume="keras",
+        resume_at=5,
+        rule="linear",
+        rule_warmup=2.5,
+    )
+    _, parent = check(run, tmp_path)
+    assert parent["scales"][1] == 0.0 and max(parent["scales"]) > 2.5
+
+
+def test_the_square_root_rule_by_the_noise_scale(tmp_path):
+    # `sqrt(S)` on RMSprop, unweighted windows sized by the noise scale
+    # (`S` = the micro-batches), resumed from a weights file.
+    run = Run(
+        optimizer="rmsprop",
+        accum=(
+            "noise",
+            {
+                "micro_batch_size": 0.25,
+                "floor": 2,
+                "ceiling": 4,
+                "grow_only": True,
+                "warmup_windows": 0,
+            },
+        ),
+        micro_batch=2,
+        samples=22,
+        resume="weights",
+        resume_at=3,
+        noise=True,
+        noise_momentum=0.5,
+        rule="sqrt",
+    )
+    _, parent = check(run, tmp_path)
+    assert max(parent["scales"]) > 2
 
 
 def test_adascale_in_a_multi_optimizer_is_refused(tmp_path):

@@ -249,9 +249,7 @@ def test_iterations_is_the_update_counter_variable():
 def test_learning_rate_as_given_is_the_schedule_not_its_value():
     schedule = keras.optimizers.schedules.ExponentialDecay(1.0, 1, 0.5)
     optimizer, _ = _built_adam(learning_rate=schedule)
-    assert _keras_private.learning_rate_as_given(optimizer) is schedule, (
-        VERSION
-    )
+    assert _keras_private.learning_rate_as_given(optimizer) is schedule, VERSION
     plain, _ = _built_adam(learning_rate=0.25)
     given = _keras_private.learning_rate_as_given(plain)
     assert float(keras.ops.convert_to_numpy(given)) == 0.25, VERSION
@@ -715,9 +713,7 @@ def test_fit_reads_its_logs_after_the_last_batch_and_before_validation():
     events = []
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse")
-    _keras_private.call_before_epoch_logs(
-        model, lambda: events.append("logs")
-    )
+    _keras_private.call_before_epoch_logs(model, lambda: events.append("logs"))
 
     class Order(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -885,9 +881,7 @@ def test_loss_scale_build_adds_its_step_counter_then_its_scale():
     )
     before = len(_keras_private.own_variables(wrapper))
     wrapper.build(variables)
-    step_counter, dynamic_scale = _keras_private.own_variables(wrapper)[
-        before:
-    ]
+    step_counter, dynamic_scale = _keras_private.own_variables(wrapper)[before:]
     assert step_counter is wrapper.step_counter, VERSION
     assert dynamic_scale is wrapper.dynamic_scale, VERSION
     assert float(keras.ops.convert_to_numpy(dynamic_scale)) == 8.0, VERSION

@@ -1,6 +1,7 @@
-"""AdaScale at the window's close: the gain `r` of the window about to be
-applied, and the scale-invariant step it advances (see
-`_adascale_schedule.py` for the rule).
+"""A learning rate that follows the window, at the window's close: the
+base steps the window about to be applied stands for (AdaScale's gain `r`,
+or a scaling rule's `S`), and the scale-invariant step it advances (see
+`_adascale_schedule.py` and `_scaling_rules.py` for the rules).
 
 The gain is taken from the noise scale's moving averages of `|G|^2` and
 `tr(Sigma)`, not from the window's own estimates: one window's estimates
@@ -15,13 +16,21 @@ import numpy as np
 from keras import ops
 
 from accum_optimizers import _keras_private
+from accum_optimizers._adascale_schedule import follows_window
 from accum_optimizers._adascale_schedule import is_adascale
 from accum_optimizers._window import counts
+from accum_optimizers._window import noise
 
 
 def uses_adascale(optimizer):
     """Whether `optimizer`'s learning rate is an AdaScale one."""
     return is_adascale(_keras_private.learning_rate_as_given(optimizer))
+
+
+def follows(optimizer):
+    """Whether `optimizer`'s learning rate follows the window: AdaScale's,
+    or a scaling rule's. It then carries the scale-invariant step."""
+    return follows_window(_keras_private.learning_rate_as_given(optimizer))
 
 
 def check(optimizer):
@@ -42,19 +51,33 @@ def check(optimizer):
 
 def check_not_in_multi_optimizer(multi_optimizer):
     """Raises where an optimizer of `multi_optimizer` (a `MultiOptimizer`
-    of several) has an AdaScale learning rate: AdaScale's gain is the
-    model's, from the noise of the whole gradient, and each inner optimizer
-    measures only its own variables."""
+    of several) has a learning rate that follows the window: AdaScale's
+    gain is the model's, from the noise of the whole gradient, and each
+    inner optimizer measures only its own variables; a scaling rule's
+    scale-invariant step is the model's clock, and each inner optimizer
+    keeps a window of its own."""
     inner = multi_optimizer.optimizers
-    scaled = [o for o in inner if uses_adascale(o)]
+    scaled = [o for o in inner if follows(o)]
     if not scaled or len(inner) < 2:
         return
+    given = _keras_private.learning_rate_as_given(scaled[0])
+    if not uses_adascale(scaled[0]):
+        raise ValueError(
+            f"MultiOptimizer '{multi_optimizer.name}': its optimizer "
+            f"'{scaled[0].name}' has a learning rate that follows the "
+            f"window ({given!r}). Its scale-invariant "
+            "step is the model's clock, and each optimizer inside a "
+            "MultiOptimizer keeps a window of its own, whose windows may "
+            "close apart (`by_noise_scale` sizes each from its own "
+            "variables), so each would keep a clock of its own. Use it on "
+            "one optimizer that trains the whole model, or give the "
+            "MultiOptimizer's optimizers other learning rates."
+        )
     raise ValueError(
         f"MultiOptimizer '{multi_optimizer.name}': its optimizer "
         f"'{scaled[0].name}' has an AdaScale learning rate "
-        f"({_keras_private.learning_rate_as_given(scaled[0])!r}). AdaScale's "
-        "gain is the whole "
-        "model's (from the noise of the whole gradient), and an optimizer "
+        f"({given!r}). AdaScale's gain is the whole model's (from the "
+        "noise of the whole gradient), and an optimizer "
         "inside a MultiOptimizer measures only its own variables, so each "
         "would take a gain of its own. Use `learning_rate=adascale(...)` "
         "on one optimizer that trains the whole model, or give the "
@@ -76,20 +99,26 @@ def check_measured(optimizer, measure):
 
 
 def read(optimizer, what):
-    """`adascale_gain` or `scale_invariant_step` as a float32 scalar, NaN
-    without an AdaScale learning rate, `0` before the optimizer is
-    built."""
+    """`adascale_gain` (AdaScale's), `window_scale` (a scaling rule's) or
+    `scale_invariant_step` (either's) as a float32 scalar, NaN without
+    such a learning rate, `0` before the optimizer is built."""
     nan = ops.convert_to_tensor(float("nan"), "float32")
-    if not uses_adascale(optimizer):
+    if what == "scale_invariant_step":
+        known = follows(optimizer)
+    elif what == "adascale_gain":
+        known = uses_adascale(optimizer)
+    else:  # `window_scale`
+        known = follows(optimizer) and not uses_adascale(optimizer)
+    if not known:
         return nan
     window = optimizer._window
     if window is None:
         return ops.zeros((), "float32")
     if window.adascale_gain is None:
         return nan
-    if what == "adascale_gain":
-        return ops.convert_to_tensor(window.adascale_gain)
-    return scale_invariant_step(optimizer)
+    if what == "scale_invariant_step":
+        return scale_invariant_step(optimizer)
+    return ops.convert_to_tensor(window.adascale_gain)
 
 
 def gain(sq_norm, trace, window_weight, base_batch_size):
@@ -116,20 +145,28 @@ def gain(sq_norm, trace, window_weight, base_batch_size):
     return ops.where(ops.greater(window_weight, 0.0), ratio, 0.0)
 
 
-def close(optimizer, sq_norm, trace, window_weight):
-    """Writes the gain of the window being applied (its weight in the
-    noise scale's unit, `window_weight`) from the averages (`noise.read`),
-    before the parent's update reads the learning rate."""
+def close(optimizer, window_weight):
+    """Writes the base steps the window being applied stands for (its
+    weight in the noise scale's unit, `window_weight`), before the
+    parent's update reads the learning rate: AdaScale's gain, from the
+    noise scale's averages (`noise.read`), or a scaling rule's `S`."""
     window = optimizer._window
     schedule = _keras_private.learning_rate_as_given(optimizer)
-    window.adascale_gain.assign(
-        gain(sq_norm, trace, window_weight, schedule.base_batch_size)
-    )
+    if is_adascale(schedule):
+        steps = gain(
+            noise.read(optimizer, "gradient_sq_norm"),
+            noise.read(optimizer, "gradient_noise_trace"),
+            window_weight,
+            schedule.base_batch_size,
+        )
+    else:
+        steps = schedule.base_steps(window_weight)
+    window.adascale_gain.assign(steps)
 
 
 def advance(optimizer):
-    """The writes of `scale_invariant_step += gain`, after the update: a
-    compensated pair, as `samples_seen`."""
+    """The writes of `scale_invariant_step +=` the base steps of the update
+    (`adascale_gain`), after it: a compensated pair, as `samples_seen`."""
     window = optimizer._window
     return counts.add_compensated(
         window.scale_invariant_step,
@@ -141,10 +178,10 @@ def advance(optimizer):
 @contextlib.contextmanager
 def applying(optimizer):
     """While the close applies the parent's update: its learning rate takes
-    the window's gain as it is (`0` for a window of weight 0, the first
-    included), not the rate between windows."""
+    the window's gain or `S` as it is (`0` for a window of weight 0, the
+    first included), not the rate between windows."""
     window = optimizer._window
-    if not uses_adascale(optimizer):
+    if not follows(optimizer):
         yield
         return
     window.closing = True
@@ -155,17 +192,18 @@ def applying(optimizer):
 
 
 def learning_rate(optimizer):
-    """The learning rate of the update being applied: the gain times the
-    base rate at the scale-invariant step (between windows, the last
-    gain's, `1` before the first update)."""
+    """The learning rate of the update being applied: the rule's factor of
+    its gain or `S` times the base rate at the scale-invariant step
+    (between windows, the last update's, `1` before the first)."""
     window = optimizer._window
     if window is None:
         step, last_gain = ops.zeros((), "float32"), 1.0
     elif window.adascale_gain is None:
         raise ValueError(
-            f"'{optimizer.name}' was built without AdaScale's state: pass "
-            "`learning_rate=adascale(...)` when making the optimizer, not "
-            "after it was built."
+            f"'{optimizer.name}' was built without the state of a learning "
+            "rate that follows the window: pass `learning_rate=adascale("
+            "...)` (or `linear_scaling(...)`, `sqrt_scaling(...)`) when "
+            "making the optimizer, not after it was built."
         )
     else:
         step = scale_invariant_step(optimizer)
@@ -179,9 +217,9 @@ def learning_rate(optimizer):
 
 
 def start_at(window, updates):
-    """Restores a state saved without AdaScale's variables: each update it
-    applied was one step of the base schedule, of gain 1 (`0` before the
-    first)."""
+    """Restores a state saved without the scale-invariant step (without
+    AdaScale or a scaling rule): each update it applied was one step of
+    the base schedule, of gain or `S` 1 (`0` before the first)."""
     window.scale_invariant_step.assign(np.asarray(updates, "float32"))
     window.scale_invariant_step_error.assign(np.zeros((), "float32"))
     gain = 1.0 if int(np.asarray(updates)) > 0 else 0.0

@@ -84,15 +84,10 @@ def close_window(optimizer, present=None):
     replicas = _backend.replica_count(optimizer)
     if noise_sums:
         noise.close(optimizer, noise_sums, ops.square(grad_norm), total_weight)
-    if adascale.uses_adascale(optimizer):
-        # The gain from the averages this window entered, before the
-        # parent's update reads the learning rate.
-        adascale.close(
-            optimizer,
-            noise.read(optimizer, "gradient_sq_norm"),
-            noise.read(optimizer, "gradient_noise_trace"),
-            noise.big_batch(optimizer, total_weight),
-        )
+    if adascale.follows(optimizer):
+        # AdaScale's gain from the averages this window entered, or a
+        # rule's `S`, before the parent's update reads the learning rate.
+        adascale.close(optimizer, noise.big_batch(optimizer, total_weight))
     means = backend.mean([window.sums[i] for i in averaged], sums, divisor)
     grads = dict(zip(averaged, means))
     for i in updated:
@@ -124,7 +119,7 @@ def close_window(optimizer, present=None):
             window.samples_seen, window.samples_seen_error, samples
         ),
     ]
-    if adascale.uses_adascale(optimizer):
+    if adascale.follows(optimizer):
         writes += adascale.advance(optimizer)
     # Between windows the pending weight is 0. Written last: without a
     # write at its end, XLA schedules the close's copies of the sums it

@@ -118,7 +118,8 @@ def restore(optimizer, values):
     if optimizer._window.scale_invariant_step is not None and (
         len(values) not in (layout.total, layout.total - added)
     ):
-        # Saved without AdaScale (by the parent, or with another rate).
+        # Saved without AdaScale or a scaling rule (by the parent, or
+        # with another rate).
         adascale.start_at(optimizer._window, parent[0])
     # The saved run's refused micro-batches were its `fit`'s to report.
     refused = concrete_value(optimizer._window.refused.value)
@@ -189,9 +190,10 @@ def _split(values, layout, describe):
     adascale = ""
     if any(variable.adascale for variable in layout.state):
         adascale = (
-            " With an AdaScale learning rate it also takes the state of "
-            "the same optimizer and configuration saved without AdaScale "
-            "(`learning_rate` a float or a schedule), or the parent's."
+            " With a learning rate that follows the window (AdaScale's or "
+            "a scaling rule's) it also takes the state of the same "
+            "optimizer and configuration saved without it (`learning_rate` "
+            "a float or a schedule), or the parent's."
         )
     raise ValueError(
         f"Cannot restore the state of optimizer {describe}: the "
@@ -199,8 +201,9 @@ def _split(values, layout, describe):
         f"optimizer has {layout.total}. The checkpoint was saved with a "
         "different optimizer or configuration (amsgrad, momentum, "
         "centered, use_ema, measure_noise_scale, an AdaScale learning "
-        "rate, or a learning-rate schedule instead of a float); rebuild "
-        f"the optimizer with the saved configuration.{adascale}"
+        "rate or a scaling rule's, or a learning-rate schedule instead of "
+        "a float); rebuild the optimizer with the saved configuration."
+        f"{adascale}"
     )
 
 

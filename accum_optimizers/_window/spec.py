@@ -39,8 +39,9 @@ class WindowVariable:
         noise_scale: whether only optimizers that measure the gradient
             noise scale carry it, so that every other optimizer's state
             (and saved layout) is unchanged.
-        adascale: whether only optimizers whose learning rate is an
-            AdaScale one (`schedules.adascale`) carry it.
+        adascale: whether only optimizers whose learning rate follows
+            the window carry it: AdaScale's (`schedules.adascale`) or a
+            scaling rule's (`linear_scaling`, `sqrt_scaling`).
         after_sums: whether it is made after the sums (declared last): a
             variable added since states were saved, so that every older
             variable keeps its position (TensorFlow checkpoints match an
@@ -99,8 +100,9 @@ WINDOW_STATE = (
     _V("noise_trace_average", "float32", lasting=True, noise_scale=True),
     _V("noise_average_weight", "float32", lasting=True, noise_scale=True),
     _V("largest_noise_scale", "float32", lasting=True, noise_scale=True),
-    # AdaScale (`adascale.py`): the gain of the last update, and the
-    # scale-invariant step as a compensated pair.
+    # A learning rate that follows the window (`adascale.py`): the base
+    # steps the last update stood for (AdaScale's gain, or a scaling
+    # rule's `S`), and the scale-invariant step as a compensated pair.
     _V("adascale_gain", "float32", lasting=True, adascale=True),
     _V("scale_invariant_step", "float32", lasting=True, adascale=True),
     _V("scale_invariant_step_error", "float32", lasting=True, adascale=True),
@@ -115,7 +117,7 @@ del _V
 def window_state(measure_noise_scale, adascale=False):
     """The window variables an optimizer carries, in order: all of
     `WINDOW_STATE`, less the noise scale's unless it measures it and
-    AdaScale's unless its learning rate is one."""
+    those of `adascale` unless its learning rate follows the window."""
     return tuple(
         variable
         for variable in WINDOW_STATE

@@ -23,6 +23,7 @@ import numpy as np
 from accum_optimizers import _keras_private
 from accum_optimizers import schedules
 from accum_optimizers._accumulation import GradientAccumulation
+from accum_optimizers._adascale_schedule import follows_window
 from accum_optimizers.check import _data
 from accum_optimizers.check import _runs
 from accum_optimizers.check._diagnosis import Setup
@@ -357,11 +358,11 @@ def model_optimizer(
             "which cannot key a learning rate on samples (`by_samples`). "
             f"Received: learning_rate={learning_rate!r}"
         )
-    if isinstance(learning_rate, schedules.AdaScaleLearningRate):
+    if follows_window(learning_rate):
         raise ValueError(
             "check_exactness compares with the parent Keras optimizer at a "
-            "fixed learning rate; AdaScale scales it by each window's "
-            "gain. Check the model with the base learning rate instead. "
-            f"Received: learning_rate={learning_rate!r}"
+            "fixed learning rate; AdaScale and the scaling rules scale it "
+            "by each window's gain or size. Check the model with the base "
+            f"learning rate instead. Received: learning_rate={learning_rate!r}"
         )
     return optimizer
