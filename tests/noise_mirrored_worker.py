@@ -22,6 +22,12 @@ test recomputes each window's two estimates from those in numpy.
   rate whose `base_batch_size` is `REPLICAS` (one global micro-batch:
   unweighted, each replica's share counts 1), with the weights before and
   after each window.
+- `rule_unweighted`, `rule_weighted`: the same loop with `SGDAccumulate`
+  without measuring and a scaling rule on an `ExponentialDecay` base:
+  `linear_scaling` with a warm-up, unweighted (`base_batch_size=REPLICAS`),
+  and `sqrt_scaling` with each replica's `apply(..., weight=n_r)` on
+  uneven shares (3 and 5 samples) and a third, short window flushed after
+  the loop; with the weights before and after each window.
 """
 
 import json
@@ -64,6 +70,7 @@ READ_OUTS = (
     "gradient_noise_trace",
     "noise_scale",
     "adascale_gain",
+    "window_scale",
     "scale_invariant_step",
 )
 # One strategy per process (batchnorm_mirrored_worker.py).
@@ -299,6 +306,101 @@ def loop_case(multi, adascale=False):
     }
 
 
+RULE_RATE = 0.1  # the base schedule: RULE_RATE * RULE_DECAY ** tau
+RULE_DECAY = 0.8
+RULE_WARMUP = 3.0  # linear_scaling's warm-up, in base steps
+RULE_WEIGHTED_BASE = 6.0  # sqrt_scaling's base batch, in samples
+RULE_WEIGHTED_SPLIT = (3, 5)  # each replica's share of a micro-batch
+
+
+def rule_case(weighted):
+    """`strategy.run` of a step whose learning rate is a scaling rule's:
+    unweighted (even shares, each counting 1) or weighted (each replica's
+    `apply(..., weight=n_r)`, uneven shares), then a flushed window of one
+    micro-batch where weighted."""
+    x, y = regression_data(2, (LOOP_MICRO_BATCHES + 1) * GLOBAL_MICRO)
+    base = keras.optimizers.schedules.ExponentialDecay(
+        RULE_RATE, decay_steps=1, decay_rate=RULE_DECAY
+    )
+    if weighted:
+        rate = accum_optimizers.schedules.sqrt_scaling(
+            base, base_batch_size=RULE_WEIGHTED_BASE
+        )
+        sizes = RULE_WEIGHTED_SPLIT
+    else:
+        # One global micro-batch: `REPLICAS` shares of weight 1.
+        rate = accum_optimizers.schedules.linear_scaling(
+            base, base_batch_size=REPLICAS, warmup_steps=RULE_WARMUP
+        )
+        sizes = (GLOBAL_MICRO // REPLICAS,) * REPLICAS
+    with STRATEGY.scope():
+        model = small_model(0)
+        optimizer = SGDAccumulate(rate, accum_iters=LOOP_K)
+        optimizer.build(model.trainable_variables)
+
+    def replica_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(xb) - yb))
+            loss = loss / STRATEGY.num_replicas_in_sync
+        grads = tape.gradient(loss, model.trainable_variables)
+        weight = tf.cast(tf.shape(xb)[0], "float32") if weighted else None
+        optimizer.apply(grads, model.trainable_variables, weight=weight)
+
+    @tf.function
+    def step(xb, yb):
+        STRATEGY.run(replica_step, args=(xb, yb))
+
+    def per_replica(values):
+        return STRATEGY.experimental_distribute_values_from_function(
+            lambda context: tf.constant(
+                values[context.replica_id_in_sync_group]
+            )
+        )
+
+    ends = np.cumsum(sizes)
+    plain = small_model(0)
+    windows = []
+    bounds = [(0, LOOP_K), (LOOP_K, 2 * LOOP_K)]
+    if weighted:
+        bounds.append((2 * LOOP_K, 2 * LOOP_K + 1))  # flushed
+    for first, stop in bounds:
+        start = model.get_weights()
+        shards = [
+            [
+                np.arange(j * GLOBAL_MICRO + e - n, j * GLOBAL_MICRO + e)
+                for e, n in zip(ends, sizes)
+            ]
+            for j in range(first, stop)
+        ]
+        for mine in shards:
+            step(
+                per_replica([x[s] for s in mine]),
+                per_replica([y[s] for s in mine]),
+            )
+        if stop - first < LOOP_K:
+            optimizer.flush()
+        windows.append(
+            {
+                # `(weight, mean gradient)` of each share: its sample count
+                # weighted, 1 unweighted.
+                "shares": [
+                    (
+                        float(len(s)) if weighted else 1.0,
+                        share_gradient(
+                            plain, start, x[s], y[s], np.ones(len(s), "float32")
+                        )[1],
+                    )
+                    for mine in shards
+                    for s in mine
+                ],
+                "ours": read_outs(optimizer),
+                "start": [w.ravel().tolist() for w in start],
+                "end": [w.ravel().tolist() for w in model.get_weights()],
+            }
+        )
+    return {"windows": windows}
+
+
 def main(out):
     results = {
         "replicas": STRATEGY.num_replicas_in_sync,
@@ -312,6 +414,14 @@ def main(out):
             lambda: loop_case(multi=False, adascale=True)
         ),
         "adascale_rate": ADASCALE_RATE,
+        "rule": {
+            "rate": RULE_RATE,
+            "decay": RULE_DECAY,
+            "warmup": RULE_WARMUP,
+            "weighted_base": RULE_WEIGHTED_BASE,
+        },
+        "rule_unweighted": recorded(lambda: rule_case(weighted=False)),
+        "rule_weighted": recorded(lambda: rule_case(weighted=True)),
     }
     Path(out).write_text(json.dumps(results))
 

@@ -206,3 +206,64 @@ def test_unweighted_adascale_counts_a_replica_s_share_as_its_unit(measured):
                 rtol=1e-5,
                 atol=1e-6,
             )
+
+
+@pytest.mark.parametrize(
+    "weighted", [False, True], ids=["unweighted", "weighted"]
+)
+def test_a_scaling_rule_counts_every_replica_s_share(measured, weighted):
+    """A scaling rule's `S = window weight / base_batch_size` in the noise
+    scale's unit: unweighted, a replica's share counts 1
+    (`linear_scaling(base_batch_size=2)` on 2 replicas: windows of 2
+    micro-steps are `S = 2`); weighted, every replica's samples (uneven
+    shares, and a flushed window of one micro-batch). Each window's `S`,
+    `tau` and update against numpy: `S` from the shares' weights, the
+    rule's factor and the base schedule at `tau` read before the update,
+    and the weights moved by that rate times the weighted mean of the
+    shares' gradients (from a plain model)."""
+    # (The worker's constants: importing it would start TensorFlow here.)
+    rule = measured["rule"]
+    rate0, decay = rule["rate"], rule["decay"]
+    result = measured["rule_weighted" if weighted else "rule_unweighted"]
+    assert "error" not in result, result["error"]
+    windows = result["windows"]
+    replicas = measured["replicas"]
+    base = rule["weighted_base"] if weighted else replicas
+    assert [len(w["shares"]) for w in windows] == (
+        [4, 4, 2] if weighted else [4, 4]
+    )
+    tau = 0.0
+    for number, window in enumerate(windows):
+        weights = np.array([w for w, _ in window["shares"]])
+        scale = weights.sum() / base
+        if weighted:
+            factor = np.sqrt(scale)
+        else:
+            factor = min(scale, 1 + (scale - 1) * min(1, tau / rule["warmup"]))
+        rate = factor * rate0 * decay**tau
+        tau += scale
+        ours = window["ours"]
+        np.testing.assert_allclose(
+            [ours["window_scale"], ours["scale_invariant_step"]],
+            [scale, tau],
+            rtol=1e-6,
+            err_msg=f"window {number}",
+        )
+        assert np.isnan(ours["adascale_gain"])  # AdaScale's only
+        grads = [g for _, g in window["shares"]]
+        for i, (start, end) in enumerate(zip(window["start"], window["end"])):
+            mean = weights @ np.array([g[i] for g in grads]) / weights.sum()
+            np.testing.assert_allclose(
+                end,
+                np.asarray(start) - rate * mean,
+                rtol=1e-5,
+                atol=1e-6,
+                err_msg=f"window {number}, variable {i}",
+            )
+    # Not the global micro-batch's count (S = 1) nor one replica's.
+    expected = [16 / rule["weighted_base"]] * 2 + [8 / rule["weighted_base"]]
+    np.testing.assert_allclose(
+        [w["ours"]["window_scale"] for w in windows],
+        expected if weighted else [2.0, 2.0],
+        rtol=1e-6,
+    )
