@@ -447,6 +447,55 @@ def noise_scale_across_ranks(rank):
     }
 
 
+# The scaling rules in `rules_across_ranks`, on the base schedule
+# RULE_RATE * RULE_DECAY ** tau.
+RULE_RATE, RULE_DECAY = 0.05, 0.8
+RULE_WARMUP = 4.0  # linear_scaling's warm-up, in base steps
+RULE_BASES = {"unweighted": 2.0, "weighted": 5.0}  # base_batch_size
+
+
+def rules_across_ranks(rank):
+    """A scaling rule under `sync_windows`, two windows each:
+    `linear_scaling` with a warm-up, unweighted (each rank's micro-batch
+    counts 1), and `sqrt_scaling`, weighted by `noise_gradients`' weights;
+    the weights before and after each window and its `S` and `tau` (keys
+    `rule_{unweighted,weighted}_*`)."""
+    base = keras.optimizers.schedules.ExponentialDecay(
+        RULE_RATE, decay_steps=1, decay_rate=RULE_DECAY
+    )
+    results = {}
+    for kind, base_batch in RULE_BASES.items():
+        weighted = kind == "weighted"
+        if weighted:
+            rate = schedules.sqrt_scaling(base, base_batch_size=base_batch)
+        else:
+            rate = schedules.linear_scaling(
+                base, base_batch_size=base_batch, warmup_steps=RULE_WARMUP
+            )
+        model = small_model(0)
+        optimizer = sync_windows(SGDAccumulate(rate, accum_iters=K))
+        variables = model.trainable_variables
+        weights = [model.get_weights()]
+        scales, steps = [], []
+        for step in range(2 * K):
+            grads, weight = noise_gradients(rank, step)
+            optimizer.apply(
+                [torch.from_numpy(g) for g in grads],
+                variables,
+                weight=weight if weighted else None,
+            )
+            if step % K == K - 1:
+                weights.append(model.get_weights())
+                scales.append(float(optimizer.window_scale))
+                steps.append(float(optimizer.scale_invariant_step))
+        results[f"rule_{kind}_scales"] = np.asarray(scales)
+        results[f"rule_{kind}_steps"] = np.asarray(steps)
+        for w, window in enumerate(weights):
+            for i, value in enumerate(window):
+                results[f"rule_{kind}_w{w}_{i}"] = value
+    return results
+
+
 def main(out):
     assert keras.backend.backend() == "torch"
     rank = int(os.environ["RANK"])
@@ -473,6 +522,7 @@ def main(out):
             for overlap in (False, True):
                 results.update(reached_heads(rank, x, y, overlap, pattern))
         results.update(noise_scale_across_ranks(rank))
+        results.update(rules_across_ranks(rank))
         np.savez(Path(out) / f"rank{rank}.npz", **results)
     finally:
         dist.destroy_process_group()

@@ -512,3 +512,66 @@ def test_sync_windows_measures_the_noise_scale_and_adascale_s_gain(ranks):
             [sq_norm, trace, gain, gain],
             rtol=2e-4,
         )
+
+
+@pytest.mark.parametrize("kind", ["unweighted", "weighted"])
+def test_sync_windows_scaling_rules_count_every_rank_s_micro_batches(
+    ranks, kind
+):
+    """A scaling rule's `S = window weight / base_batch_size` over every
+    rank: each rank's micro-batch counts 1 unweighted (`linear_scaling`,
+    2 ranks x K micro-steps over a base of 2 micro-batches), its weight
+    weighted (`sqrt_scaling`). Oracle: numpy, from the numpy gradients
+    every rank applied: `S`, `tau`, the rule's factor on the base schedule
+    at `tau`, and SGD's step with the window's weighted mean gradient;
+    every rank bit-identical."""
+    from distribution_torch_worker import RULE_BASES
+    from distribution_torch_worker import RULE_DECAY
+    from distribution_torch_worker import RULE_RATE
+    from distribution_torch_worker import RULE_WARMUP
+    from distribution_torch_worker import WORLD_SIZE
+    from distribution_torch_worker import K
+    from distribution_torch_worker import noise_gradients
+
+    weighted = kind == "weighted"
+    chief = ranks[0]
+    variables = len(noise_gradients(0, 0)[0])
+    weights = [chief[f"rule_{kind}_w0_{i}"] for i in range(variables)]
+    weights = [w.astype("float64") for w in weights]
+    tau, scales, steps = 0.0, [], []
+    for window in range(2):
+        draws = [
+            noise_gradients(rank, step)
+            for rank in range(WORLD_SIZE)
+            for step in range(window * K, (window + 1) * K)
+        ]
+        counts = np.asarray([w if weighted else 1.0 for _, w in draws])
+        scale = counts.sum() / RULE_BASES[kind]
+        if weighted:
+            factor = np.sqrt(scale)
+        else:
+            factor = min(scale, 1 + (scale - 1) * min(1, tau / RULE_WARMUP))
+        rate = factor * RULE_RATE * RULE_DECAY**tau
+        for i in range(variables):
+            mean = sum(
+                c * g[i].astype("float64") for c, (g, _) in zip(counts, draws)
+            )
+            weights[i] = weights[i] - rate * mean / counts.sum()
+            np.testing.assert_allclose(
+                chief[f"rule_{kind}_w{window + 1}_{i}"],
+                weights[i],
+                rtol=1e-5,
+                atol=1e-6,
+                err_msg=f"window {window}, variable {i}",
+            )
+        tau += scale
+        scales.append(scale)
+        steps.append(tau)
+    np.testing.assert_allclose(chief[f"rule_{kind}_scales"], scales, rtol=1e-6)
+    np.testing.assert_allclose(chief[f"rule_{kind}_steps"], steps, rtol=1e-6)
+    if not weighted:
+        assert scales == [WORLD_SIZE * K / RULE_BASES[kind]] * 2  # not K / 2
+    for other in ranks[1:]:
+        for key in chief:
+            if key.startswith(f"rule_{kind}_"):
+                np.testing.assert_array_equal(other[key], chief[key], key)
