@@ -35,6 +35,7 @@ from accum_optimizers import AdamAccumulate
 from accum_optimizers import RMSpropAccumulate
 from accum_optimizers import SGDAccumulate
 from accum_optimizers import schedules
+from accum_optimizers import weigh_micro_batches
 
 DEVICE_COUNT = 2
 ACCUM_ITERS = 3
@@ -53,6 +54,8 @@ class Case(NamedTuple):
     distribution: str  # "data" (DataParallel) or "model" (ModelParallel)
     compare_weights: bool = True  # ours must equal the parent's
     our_kwargs: dict = {}  # for our optimizer only
+    parent_kwargs: dict = {}  # for the parent only
+    weighed: bool = False  # `weigh_micro_batches(model)`: samples count
 
 
 CASES = {
@@ -109,6 +112,80 @@ CASES = {
         },
     ),
 }
+
+
+class _RuleOracle(_schedules.LearningRateSchedule):
+    """The parent's learning rate that a scaling rule's run follows when
+    each window is `scale` base batches: at the parent's update `n`, `tau
+    = scale * n` and the rate `factor(tau) * base(tau)`."""
+
+    def __init__(self, base, scale, factor):
+        self.base, self.scale, self.factor = base, scale, factor
+
+    def __call__(self, step):
+        tau = keras.ops.cast(step, "float32") * self.scale
+        return self.factor(tau) * self.base(tau)
+
+
+def _rule_base():
+    return _schedules.ExponentialDecay(0.05, decay_steps=1, decay_rate=0.8)
+
+
+# The scaling rules' cases: under DataParallel programs see global arrays,
+# so a window of ACCUM_ITERS global micro-batches of MICRO_BATCH samples
+# weighs ACCUM_ITERS unweighted, ACCUM_ITERS * MICRO_BATCH samples weighted.
+RULE_WARMUP = 4.0
+RULE_BASE_SAMPLES = 8.0
+RULE_SCALES = {  # the S of every window of each case
+    "adam_linear_scaling": ACCUM_ITERS / 1.0,
+    "sgd_momentum_sqrt_scaling_weighted": ACCUM_ITERS
+    * MICRO_BATCH
+    / RULE_BASE_SAMPLES,
+}
+
+
+def _linear_factor(scale):
+    def factor(tau):
+        progress = keras.ops.minimum(tau / RULE_WARMUP, 1.0)
+        return keras.ops.minimum(scale, 1.0 + (scale - 1.0) * progress)
+
+    return factor
+
+
+CASES["adam_linear_scaling"] = Case(
+    AdamAccumulate,
+    {},
+    "data",
+    our_kwargs={
+        "learning_rate": schedules.linear_scaling(
+            _rule_base(), base_batch_size=1, warmup_steps=RULE_WARMUP
+        )
+    },
+    parent_kwargs={
+        "learning_rate": _RuleOracle(
+            _rule_base(),
+            RULE_SCALES["adam_linear_scaling"],
+            _linear_factor(RULE_SCALES["adam_linear_scaling"]),
+        )
+    },
+)
+_SQRT_SCALE = RULE_SCALES["sgd_momentum_sqrt_scaling_weighted"]
+CASES["sgd_momentum_sqrt_scaling_weighted"] = Case(
+    SGDAccumulate,
+    {"momentum": 0.9},
+    "data",
+    our_kwargs={
+        "learning_rate": schedules.sqrt_scaling(
+            _rule_base(), base_batch_size=RULE_BASE_SAMPLES
+        )
+    },
+    parent_kwargs={
+        "learning_rate": _RuleOracle(
+            _rule_base(), _SQRT_SCALE, lambda tau: _SQRT_SCALE**0.5
+        )
+    },
+    weighed=True,
+)
 
 # What the noise scale's case records, beside the same run on one device.
 NOISE_READOUTS = (
@@ -217,7 +294,9 @@ def _run_case(name, devices, x, y):
     # The oracle: the parent optimizer on one device, k times larger batch.
     parent_model = small_model(SEED)
     initial_weights = parent_model.get_weights()
-    parent = PARENTS[case.optimizer_class](**case.shared_kwargs)
+    parent = PARENTS[case.optimizer_class](
+        **case.shared_kwargs, **case.parent_kwargs
+    )
     parent_model.compile(optimizer=parent, loss="mse")
     parent_model.fit(
         x,
@@ -238,6 +317,8 @@ def _run_case(name, devices, x, y):
             accum_iters=ACCUM_ITERS, **case.shared_kwargs, **case.our_kwargs
         )
         our_model.compile(optimizer=ours, loss="mse")
+        if case.weighed:
+            weigh_micro_batches(our_model)
         ours.build(our_model.trainable_variables)
         after_build = _placements(our_model, ours)
         our_model.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, verbose=0)
@@ -246,6 +327,12 @@ def _run_case(name, devices, x, y):
             distribution.get_data_layout((MICRO_BATCH, x.shape[1])).axes
         )
     assert keras.distribution.distribution() is None
+    rule = {}
+    if name in RULE_SCALES:
+        rule = {
+            "window_scale": float(ours.window_scale),
+            "scale_invariant_step": float(ours.scale_invariant_step),
+        }
     noise = {}
     if case.our_kwargs.get("measure_noise_scale"):
         alone_model = small_model(SEED)
@@ -263,6 +350,7 @@ def _run_case(name, devices, x, y):
         ]
     parent_state = parent.variables
     return {
+        "rule": rule,
         "noise": noise,
         "parent_device_count": parent_device_count,
         "parent_iterations": int(parent.iterations),

@@ -11,7 +11,10 @@ tests judge what it wrote, each against its own oracle:
 - layout: every accumulator has its variable's sharding and Keras layout,
   which is what Keras gives the parent's own slots (Adam's moments, ...),
   and our counters are placed like `iterations`;
-- counters: `iterations` counts windows and no micro-batch is left pending.
+- counters: `iterations` counts windows and no micro-batch is left pending;
+- scaling rules: a window's `S` counts global micro-batches (or samples,
+  weighted), and the weights are the parent's whose schedule is the rule's
+  at `tau = S * n`.
 
 Runs once, from the JAX test process.
 """
@@ -23,6 +26,7 @@ import pytest
 from distribution_jax_worker import ACCUM_ITERS
 from distribution_jax_worker import CASES
 from distribution_jax_worker import DEVICE_COUNT
+from distribution_jax_worker import RULE_SCALES
 from distribution_jax_worker import WINDOWS
 from helpers import assert_all_close
 from helpers import run_jax_worker
@@ -168,3 +172,22 @@ def test_the_noise_scale_and_adascale_under_data_parallel_are_one_device_s(
     assert noise["adascale_gain"] > 1.0
     for ours, alone in zip(result["our_weights"], noise["one_device_weights"]):
         np.testing.assert_allclose(ours, alone, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(RULE_SCALES))
+def test_a_scaling_rule_under_data_parallel_counts_global_micro_batches(
+    results, name
+):
+    """Programs see global arrays: a window weighs its global
+    micro-batches unweighted (`linear_scaling(base_batch_size=1)`, Adam,
+    `S = 3`), its samples weighted (`sqrt_scaling`, SGD with momentum,
+    `S = 12 / 8`). `test_fit_under_distribution_equals_parent_on_one_device`
+    checks the weights against the parent whose schedule is the rule's at
+    `tau = S * n`; here `S` and `tau` themselves."""
+    rule = results[name]["rule"]
+    scale = RULE_SCALES[name]
+    np.testing.assert_allclose(
+        [rule["window_scale"], rule["scale_invariant_step"]],
+        [scale, WINDOWS * scale],
+        rtol=1e-6,
+    )
