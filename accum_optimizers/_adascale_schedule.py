@@ -58,7 +58,8 @@ def adascale(
             weighted (`weigh_micro_batches`, `apply(..., weight=n)`), its
             micro-batches (`1` for one) when they are not; unweighted
             under `tf.distribute`, replicas' shares of micro-batches (the
-            number of replicas for one global micro-batch).
+            number of replicas for one global micro-batch), and under
+            torch `sync_windows` each rank's micro-batches.
 
     Returns:
         An `AdaScaleLearningRate`.

@@ -59,7 +59,8 @@ def linear_scaling(
             weighted (`weigh_micro_batches`, `apply(..., weight=n)`), its
             micro-batches (`1` for one) when they are not; unweighted
             under `tf.distribute`, replicas' shares of micro-batches (the
-            number of replicas for one global micro-batch).
+            number of replicas for one global micro-batch), and under
+            torch `sync_windows` each rank's micro-batches.
         warmup_steps: Number >= 0. The base steps (of `tau`) over which
             the factor ramps from 1 to `S`; `0` for none.
 

@@ -21,8 +21,9 @@ data and callback points are injected.
 Every optimizer here measures the gradient noise scale (`NOISE`): its
 variables (the window's noise sums, the last window's estimates, their
 moving averages) are among the optimizer's variables a failed step must
-leave as they were; so are AdaScale's (the gain, the scale-invariant step)
-of the `MultiOptimizer`'s SGD. The `MultiOptimizer` runs inside a
+leave as they were; so are those of the lone Adam's learning rate, a
+scaling rule that follows the window (the last window's `S`, the
+scale-invariant step). The `MultiOptimizer` runs inside a
 `LossScaleOptimizer`, as `compile` wraps it under `mixed_float16`.
 """
 
@@ -145,7 +146,9 @@ def _train_with_fault(point, at, mode, make_error, multi=False, callbacks=()):
         optimizer = keras.optimizers.LossScaleOptimizer(_multi_optimizer())
     else:
         optimizer = ao.AdamAccumulate(
-            learning_rate=0.05, accum_iters=ACCUM_ITERS, **NOISE
+            learning_rate=ao.schedules.sqrt_scaling(0.05, base_batch_size=1),
+            accum_iters=ACCUM_ITERS,
+            **NOISE,
         )
     _compile(model, optimizer, mode)
     x, y, _ = data(Run(samples=SAMPLES))
